@@ -1,0 +1,46 @@
+"""Every environment variable lik_plugins reads, parsed in one place.
+
+All of them are read at call time (never cached at import), so a user can flip them
+between two calls in the same process.
+
+==========================  =========================================================
+``LIK_DISABLE=1``           kill switch: public ops run the plain reference formulation,
+                            patched host entries run the host's original code.
+``LIK_BACKEND``             ``auto`` (default) | ``triton`` | ``torch-chunked`` | ``reference``.
+                            ``auto``: CUDA tensors -> Triton, everything else -> chunked
+                            torch.  ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``
+                            (this is how CI runs the real kernels).
+``LIK_CHUNK_ELEMENTS``      element budget of one similarity chunk on the chunked path
+                            (default 2**24, i.e. 64 MB of fp32 scratch).
+==========================  =========================================================
+"""
+from __future__ import annotations
+
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+BACKENDS = ("auto", "triton", "torch-chunked", "reference")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def disabled() -> bool:
+    """``LIK_DISABLE=1``: route everything to the plain formulation / the host original."""
+    return _flag("LIK_DISABLE")
+
+
+def forced_backend() -> str:
+    value = os.environ.get("LIK_BACKEND", "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"LIK_BACKEND={value!r} is not one of {', '.join(BACKENDS)}")
+    return value
+
+
+def triton_interpret() -> bool:
+    return _flag("TRITON_INTERPRET")
+
+
+def chunk_elements() -> int:
+    return int(os.environ.get("LIK_CHUNK_ELEMENTS", str(1 << 24)))

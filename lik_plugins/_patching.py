@@ -1,0 +1,89 @@
+"""The patch ledger shared by both host integrations: apply once, revert exactly.
+
+A host patcher describes *what* it replaces (a table per host version); the ledger
+does the replacing and remembers every original, so ``unpatch_*()`` restores the
+exact objects that were there before (a ``staticmethod`` stays a ``staticmethod``, a
+missing attribute is deleted again, function defaults get their original tuple back).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+_MISSING = object()
+
+
+@dataclass
+class _Change:
+    owner: Any
+    name: str
+    original: Any
+    restore: Callable[[], None]
+
+
+@dataclass
+class PatchLedger:
+    """Records every change made for one host, in order, so it can be undone in reverse."""
+
+    host: str
+    changes: list[_Change] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.changes)
+
+    def set_attr(self, owner: Any, name: str, value: Any) -> None:
+        """``setattr(owner, name, value)``, keeping the raw original from ``owner.__dict__``.
+
+        Reading ``__dict__`` (not ``getattr``) keeps descriptors such as
+        ``staticmethod``/``classmethod`` intact on revert, and tells an inherited
+        attribute (restored by deleting ours) from an own one.
+        """
+        original = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+
+        def restore() -> None:
+            if original is _MISSING:
+                try:
+                    delattr(owner, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(owner, name, original)
+
+        setattr(owner, name, value)
+        self.changes.append(_Change(owner, name, original, restore))
+
+    def set_defaults(self, function: Any, defaults: tuple | None) -> None:
+        """Replace a function's positional defaults (``__defaults__``), e.g. a scoring
+        function bound as a default argument at import time."""
+        original = function.__defaults__
+
+        def restore() -> None:
+            function.__defaults__ = original
+
+        function.__defaults__ = defaults
+        self.changes.append(_Change(function, "__defaults__", original, restore))
+
+    def set_kwdefaults(self, function: Any, kwdefaults: dict | None) -> None:
+        """Replace a function's keyword-only defaults (``__kwdefaults__``)."""
+        original = None if function.__kwdefaults__ is None else dict(function.__kwdefaults__)
+
+        def restore() -> None:
+            function.__kwdefaults__ = original
+
+        function.__kwdefaults__ = kwdefaults
+        self.changes.append(_Change(function, "__kwdefaults__", original, restore))
+
+    def original(self, owner: Any, name: str, default: Any = _MISSING) -> Any:
+        """The value that was there before the first change of ``owner.name``."""
+        for change in self.changes:
+            if change.owner is owner and change.name == name:
+                return change.original
+        if default is _MISSING:
+            raise KeyError(f"{self.host}: {owner!r}.{name} was not patched")
+        return default
+
+    def revert(self) -> None:
+        for change in reversed(self.changes):
+            change.restore()
+        self.changes.clear()

@@ -1,0 +1,33 @@
+"""Which code path served each call: ``{entry_name: {path_name: count}}``.
+
+Users read this to check that their training really runs on the kernels; the
+integration tests observe it instead of checking that an attribute was assigned.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+PATHS = ("triton", "metal", "torch-chunked", "reference", "original")
+
+_lock = threading.Lock()
+_counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+
+def record(entry: str, path: str) -> None:
+    """Count one call of ``entry`` served by ``path`` (one of :data:`PATHS`)."""
+    if path not in PATHS:
+        raise ValueError(f"unknown routing path {path!r}; expected one of {PATHS}")
+    with _lock:
+        _counts[entry][path] += 1
+
+
+def routing_counts() -> dict[str, dict[str, int]]:
+    """A snapshot copy: ``{entry_name: {path_name: count}}``."""
+    with _lock:
+        return {entry: dict(paths) for entry, paths in _counts.items()}
+
+
+def reset_routing_counts() -> None:
+    with _lock:
+        _counts.clear()

@@ -1,0 +1,115 @@
+"""The specification: MaxSim in plain PyTorch, float64-capable, autograd by torch.
+
+Every kernel in this package is tested against these functions.  They materialise the
+full similarity tensor, so they are for tests, tiny inputs and the ``LIK_DISABLE=1``
+kill switch only.
+
+Semantics (shared by every path):
+
+* ``score(q, d) = sum_s max_t <Q[q, s], D[d, t]>``.
+* Masks are ``True``/non-zero = valid.  A masked *query* token contributes 0.
+* ``mask_mode="exclude"``: a masked doc token cannot win; a query token with no valid
+  doc token contributes 0 (and gets zero gradient).
+* ``mask_mode="zero"`` (PyLate's multiplicative mask): a masked doc token's similarity
+  *is* 0 and takes part in the max, so a row whose valid similarities are all negative
+  scores 0.  The gradient through a masked winner is 0.  A valid token wins a tie with
+  a masked 0.
+* ``normalize=True``: each token is L2-normalised first, ``x / max(||x||, 1e-12)``.
+* Ties between valid doc tokens: the gradient goes to the lowest index.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MASK_MODES = ("exclude", "zero")
+NORM_EPS = 1e-12
+
+
+def _valid(mask: torch.Tensor | None, shape: tuple[int, ...], device) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    return mask != 0
+
+
+def _reduce(sim: torch.Tensor, q_valid: torch.Tensor, d_valid: torch.Tensor, mask_mode: str) -> torch.Tensor:
+    """sim ``[..., Lq, Ld]``, q_valid ``[..., Lq]``, d_valid ``[..., Ld]`` -> ``[...]``."""
+    if mask_mode not in MASK_MODES:
+        raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}")
+    dv = d_valid.unsqueeze(-2)
+    if sim.shape[-1] == 0:
+        row = sim.new_zeros(sim.shape[:-1])
+    elif mask_mode == "exclude":
+        row = sim.masked_fill(~dv, float("-inf")).max(dim=-1).values
+        has_valid = dv.any(dim=-1)
+        row = torch.where(has_valid, row, torch.zeros_like(row))
+    else:
+        # A valid token wins a tie with a masked 0: take the max over valid tokens, and
+        # only if it is below 0 and a masked token exists does the masked 0 win.
+        best = sim.masked_fill(~dv, float("-inf")).max(dim=-1).values
+        has_masked = (~dv).any(dim=-1)
+        row = torch.where(has_masked & (best < 0), torch.zeros_like(best), best)
+    row = row * q_valid.to(row.dtype)
+    return row.sum(dim=-1)
+
+
+def _maybe_normalize(x: torch.Tensor, normalize: bool) -> torch.Tensor:
+    return F.normalize(x, p=2, dim=-1, eps=NORM_EPS) if normalize else x
+
+
+def maxsim(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    normalize: bool = False,
+    mask_mode: str = "exclude",
+) -> torch.Tensor:
+    """Reference of :func:`lik_plugins.maxsim`.
+
+    ``Q [Nq, Lq, d]`` with ``D [Nd, Ld, d]`` -> ``[Nq, Nd]`` (in-batch cross product), or
+    with ``D [Nq, K, Ld, d]`` -> ``[Nq, K]`` (per-query candidates).  Computed in the
+    promoted dtype of the inputs (use float64 inputs for an oracle).
+    """
+    Qn, Dn = _maybe_normalize(Q, normalize), _maybe_normalize(D, normalize)
+    nq, lq = Q.shape[0], Q.shape[1]
+    qv = _valid(q_mask, (nq, lq), Q.device)
+    if D.dim() == 3:
+        nd, ld = D.shape[0], D.shape[1]
+        sim = torch.einsum("ash,bth->abst", Qn, Dn)
+        dv = _valid(d_mask, (nd, ld), D.device)
+        return _reduce(sim, qv[:, None, :], dv[None, :, :], mask_mode)
+    k, ld = D.shape[1], D.shape[2]
+    sim = torch.einsum("ash,akth->akst", Qn, Dn)
+    dv = _valid(d_mask, (nq, k, ld), D.device)
+    return _reduce(sim, qv[:, None, :], dv, mask_mode)
+
+
+def maxsim_pairs(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    normalize: bool = False,
+    mask_mode: str = "exclude",
+) -> torch.Tensor:
+    """Reference of :func:`lik_plugins.maxsim_pairs`: ``[B, Lq, d] x [B, Ld, d] -> [B]``."""
+    dm = None if d_mask is None else d_mask.unsqueeze(1)
+    return maxsim(Q, D.unsqueeze(1), q_mask, dm, normalize=normalize, mask_mode=mask_mode).squeeze(1)
+
+
+def retrieve(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    top_k: int,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    normalize: bool = False,
+    mask_mode: str = "exclude",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`lik_plugins.retrieve`: top-``k`` documents per query."""
+    scores = maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
+    return scores.topk(min(int(top_k), scores.shape[1]), dim=1)
