@@ -1,0 +1,54 @@
+"""The one autograd path: forward saves only the argmax, backward reads it.
+
+Device dispatch happens before this (a path name comes in); this module only decides
+what to save and which backward strategy runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kernels.dispatch import implementation
+
+BACKWARD_STRATEGIES = ("auto", "unified", "lowmem")
+
+
+def choose_backward(strategy: str, *, cross: bool) -> str:
+    """Resolve ``backward="auto"``.
+
+    * per-query candidates and pairs: ``lowmem`` — each document is owned by one query,
+      so destination-owned gradients have no contention, need no fp32 buffer and are
+      deterministic; atomics would buy nothing.
+    * in-batch cross product: ``lowmem`` as well — its one-hot product runs on the tensor
+      cores with no ``[Nd, Ld, d]`` fp32 buffer, while the ``unified`` atomic scatter
+      issues ``Nq*Nd*Lq*d`` fp32 atomics (see ``benchmarks/NOTES.md`` for the measured
+      comparison on an H100).
+    """
+    if strategy not in BACKWARD_STRATEGIES:
+        raise ValueError(f"backward must be one of {', '.join(map(repr, BACKWARD_STRATEGIES))}; got {strategy!r}")
+    if strategy != "auto":
+        return strategy
+    return "lowmem"
+
+
+class MaxSimFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Q, D, q_mask, d_mask, cross, normalize, zero_mode, strategy, path):
+        impl = implementation(path)
+        needs_grad = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        scores, argmax = impl.forward(
+            Q, D, q_mask, d_mask, cross=cross, normalize=normalize, zero_mode=zero_mode, save_argmax=needs_grad
+        )
+        if needs_grad:
+            ctx.save_for_backward(Q, D, argmax)
+            ctx.config = (impl, cross, normalize, choose_backward(strategy, cross=cross))
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        Q, D, argmax = ctx.saved_tensors
+        impl, cross, normalize, strategy = ctx.config
+        grad_q, grad_d = impl.backward(
+            grad_scores, Q, D, argmax, cross=cross, normalize=normalize,
+            need_q=ctx.needs_input_grad[0], need_d=ctx.needs_input_grad[1], strategy=strategy,
+        )
+        return grad_q, grad_d, None, None, None, None, None, None, None

@@ -1,0 +1,7 @@
+"""Kernels and the specification beside them.
+
+* :mod:`.reference` — plain PyTorch, float64-capable: the specification and test oracle.
+* :mod:`.chunked` — bounded-memory PyTorch path (CPU and fallback).
+* :mod:`.triton` — fused Triton kernels (imported lazily).
+* :mod:`.dispatch` — which of them serves a call.
+"""

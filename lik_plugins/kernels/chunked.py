@@ -1,0 +1,141 @@
+"""Bounded-memory PyTorch path: same semantics as the kernels, for CPU (and any device
+the kernels do not serve).
+
+It never materialises the full ``[Nq, Nd, Lq, Ld]`` similarity tensor: queries and
+documents are scored in chunks of at most ``LIK_CHUNK_ELEMENTS`` similarities, only the
+per-row winner index (the argmax) is kept for the backward, and the backward gathers /
+scatters through that index in chunks too.  So CPU training gets the memory win as well.
+
+Launcher signatures match :mod:`lik_plugins.kernels.triton.launch`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._config import chunk_elements
+from .common import inverse_norms, project_out_norm
+
+_NO_WINNER = -1
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision matmuls on CPU are slow and accumulate in low precision: score in fp32.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scaled(x: torch.Tensor, inv_norm: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    x = x.to(dtype)
+    return x if inv_norm is None else x * inv_norm.to(dtype).unsqueeze(-1)
+
+
+def _rows_per_chunk(per_row: int, total: int) -> int:
+    return max(1, min(total, chunk_elements() // max(per_row, 1)))
+
+
+def _reduce_rows(sim, q_valid, d_valid, zero_mode):
+    """sim ``[a, b, Lq, Ld]`` -> (row values ``[a, b, Lq]``, winner ``[a, b, Lq]`` or -1)."""
+    if sim.shape[-1] == 0:
+        shape = sim.shape[:-1]
+        return sim.new_zeros(shape), torch.full(shape, _NO_WINNER, dtype=torch.int64, device=sim.device)
+    if d_valid is not None:
+        sim = sim.masked_fill(~d_valid.unsqueeze(-2), float("-inf"))
+    best, winner = sim.max(dim=-1)
+    has_winner = best > float("-inf")
+    if zero_mode and d_valid is not None:
+        has_masked = (~d_valid).any(dim=-1).unsqueeze(-1)
+        has_winner = has_winner & ~(has_masked & (best < 0))
+    has_winner = has_winner | torch.isnan(best)
+    if q_valid is not None:
+        has_winner = has_winner & q_valid.unsqueeze(1)
+    values = torch.where(has_winner, best, torch.zeros_like(best))
+    winner = torch.where(has_winner, winner, torch.full_like(winner, _NO_WINNER))
+    return values, winner
+
+
+def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
+    """Scores ``[Nq, NJ]`` (fp32, or fp64 for fp64 inputs) and, if asked, the argmax."""
+    nq, lq, _ = Q.shape
+    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
+    cdt = _compute_dtype(Q.dtype)
+    rq = inverse_norms(Q) if normalize else None
+    rd = inverse_norms(D) if normalize else None
+    out_dtype = torch.float64 if cdt == torch.float64 else torch.float32
+    scores = torch.empty((nq, nj), dtype=out_dtype, device=Q.device)
+    argmax = torch.empty((nq, nj, lq), dtype=torch.int64, device=Q.device) if save_argmax else None
+
+    if cross:
+        cd = _rows_per_chunk(lq * ld, nj)
+        cq = _rows_per_chunk(cd * lq * ld, nq)
+        for q0 in range(0, nq, cq):
+            qs = slice(q0, q0 + cq)
+            qc = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
+            qv = None if q_mask is None else q_mask[qs]
+            for d0 in range(0, nj, cd):
+                ds = slice(d0, d0 + cd)
+                dc = _scaled(D[ds], None if rd is None else rd[ds], cdt)
+                sim = torch.einsum("ash,bth->abst", qc, dc)
+                dv = None if d_mask is None else d_mask[ds].unsqueeze(0).expand(sim.shape[0], -1, -1)
+                values, winner = _reduce_rows(sim, qv, dv, zero_mode)
+                scores[qs, ds] = values.sum(-1).to(out_dtype)
+                if argmax is not None:
+                    argmax[qs, ds] = winner
+    else:
+        cq = _rows_per_chunk(nj * lq * ld, nq)
+        for q0 in range(0, nq, cq):
+            qs = slice(q0, q0 + cq)
+            qc = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
+            dc = _scaled(D[qs], None if rd is None else rd[qs], cdt)
+            sim = torch.einsum("ash,akth->akst", qc, dc)
+            qv = None if q_mask is None else q_mask[qs]
+            dv = None if d_mask is None else d_mask[qs]
+            values, winner = _reduce_rows(sim, qv, dv, zero_mode)
+            scores[qs] = values.sum(-1).to(out_dtype)
+            if argmax is not None:
+                argmax[qs] = winner
+    return scores, argmax
+
+
+def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="lowmem"):
+    """Gradients through the saved winners only: gather for Q, scatter-add for D."""
+    del strategy  # one deterministic strategy here
+    nq, lq, dim = Q.shape
+    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
+    cdt = _compute_dtype(Q.dtype)
+    grad = grad.to(cdt)
+    rq = inverse_norms(Q) if normalize else None
+    rd = inverse_norms(D) if normalize else None
+    d_rows = _scaled(D, rd, cdt).reshape(-1, dim) if need_q else None  # only for Q's gather
+    gq = torch.zeros((nq, lq, dim), dtype=cdt, device=Q.device) if need_q else None
+    gd = torch.zeros((D.numel() // max(dim, 1), dim), dtype=cdt, device=D.device) if need_d else None
+
+    per_q = nj * lq * dim
+    cq = _rows_per_chunk(per_q, nq)
+    for q0 in range(0, nq, cq):
+        qs = slice(q0, q0 + cq)
+        win = argmax[qs]  # [a, NJ, Lq]
+        ok = win >= 0
+        if cross:
+            flat = torch.arange(nj, device=Q.device).view(1, nj, 1) * ld + win.clamp_min(0)
+        else:
+            rows = torch.arange(q0, q0 + win.shape[0], device=Q.device).view(-1, 1, 1)
+            flat = (rows * nj + torch.arange(nj, device=Q.device).view(1, nj, 1)) * ld + win.clamp_min(0)
+        weight = grad[qs].unsqueeze(-1) * ok.to(cdt)  # [a, NJ, Lq]
+        if need_q:
+            gathered = d_rows[flat.reshape(-1)].view(*flat.shape, dim)
+            gq[qs] = torch.einsum("ajs,ajsh->ash", weight, gathered)
+        if need_d:
+            qh = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
+            contrib = weight.unsqueeze(-1) * qh.unsqueeze(1)  # [a, NJ, Lq, d]
+            gd.index_add_(0, flat.reshape(-1), contrib.reshape(-1, dim))
+
+    grad_q = grad_d = None
+    if need_q:
+        if normalize:
+            gq = project_out_norm(gq, Q.to(cdt), rq.to(cdt))
+        grad_q = gq.to(Q.dtype)
+    if need_d:
+        gd = gd.view(D.shape)
+        if normalize:
+            gd = project_out_norm(gd, D.to(cdt), rd.to(cdt))
+        grad_d = gd.to(D.dtype)
+    return grad_q, grad_d

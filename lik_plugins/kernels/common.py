@@ -1,0 +1,24 @@
+"""Small host-side helpers shared by every path (no kernels here)."""
+from __future__ import annotations
+
+import torch
+
+NORM_EPS = 1e-12
+
+
+def inverse_norms(x: torch.Tensor) -> torch.Tensor:
+    """``1 / max(||x||, eps)`` over the last dim, in fp32 (fp64 for fp64 input).
+
+    The reduction upcasts on the fly, so no full-size fp32 copy of ``x`` is made.
+    """
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=dtype)
+    return norms.clamp_min(NORM_EPS).reciprocal()
+
+
+def project_out_norm(g_hat: torch.Tensor, x: torch.Tensor, inv_norm: torch.Tensor) -> torch.Tensor:
+    """Jacobian of ``x / ||x||`` applied to ``g_hat = dL/dx_hat``:
+    ``dL/dx = (g_hat - <g_hat, x_hat> x_hat) / ||x||``."""
+    x_hat = x * inv_norm.unsqueeze(-1)
+    radial = (g_hat * x_hat).sum(-1, keepdim=True)
+    return (g_hat - radial * x_hat) * inv_norm.unsqueeze(-1)

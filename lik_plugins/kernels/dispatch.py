@@ -1,0 +1,69 @@
+"""Device dispatch: which implementation serves a call, with the reason when one cannot.
+
+``served_by`` is a pure function of the tensor's device/dtype and the environment, so
+host adapters can record routing without running anything.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from .._config import disabled, forced_backend, triton_interpret
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        importlib.import_module("triton")
+    except Exception:  # ImportError, or a broken install on an unsupported platform
+        return False
+    return True
+
+
+def _triton_serves(t: torch.Tensor) -> tuple[bool, str]:
+    if not triton_available():
+        return False, "triton is not installed"
+    if t.dtype not in KERNEL_DTYPES:
+        return False, f"the Triton kernels take fp16/bf16/fp32, got {t.dtype}"
+    if t.is_cuda:
+        major, _ = torch.cuda.get_device_capability(t.device)
+        if major < 8:
+            return False, "the Triton kernels need compute capability 8.0 or newer"
+        return True, ""
+    if t.device.type == "cpu" and triton_interpret():
+        return True, ""
+    return False, f"no Triton kernel for {t.device.type} tensors (set TRITON_INTERPRET=1 to interpret on CPU)"
+
+
+def served_by(t: torch.Tensor) -> str:
+    """Path name (as in :func:`lik_plugins.routing_counts`) that serves a call on ``t`` now."""
+    if disabled():
+        return "reference"
+    forced = forced_backend()
+    if forced == "triton":
+        ok, why = _triton_serves(t)
+        if not ok:
+            raise RuntimeError(f"LIK_BACKEND=triton, but {why}")
+        return "triton"
+    if forced in ("torch-chunked", "reference"):
+        return forced
+    if t.is_cuda and _triton_serves(t)[0]:
+        return "triton"
+    return "torch-chunked"
+
+
+def implementation(path: str):
+    """The launcher module (``forward``/``backward``) for a path name."""
+    if path == "triton":
+        from .triton import launch
+
+        return launch
+    if path == "torch-chunked":
+        from . import chunked
+
+        return chunked
+    raise ValueError(f"no launcher for path {path!r}")

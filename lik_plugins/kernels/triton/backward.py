@@ -1,0 +1,158 @@
+"""MaxSim backward through the saved argmax — never the forward's matrix product again.
+
+* :func:`maxsim_bwd_gather_kernel` — one program per (query, block of its tokens): walks
+  the query's documents, gathers each row's winning document token for ``grad_Q``
+  (registers, fp32, one write in the input dtype) and, for the ``unified`` strategy,
+  scatters ``g * q`` into an fp32 ``grad_D`` buffer with atomics.
+* :func:`maxsim_bwd_doc_kernel` — ``lowmem``: destination-owned ``grad_D``.  One program
+  per (document, tile of its tokens) collects every query row whose winner lies in its
+  tile as a one-hot ``[BLOCK_T, BLOCK_R]`` x ``[BLOCK_R, d]`` product, so no atomics, no
+  fp32 buffer, bitwise deterministic, written once in the input dtype.
+* :func:`project_rows_kernel` — the normalisation Jacobian for an fp32 buffer.
+
+With ``NORMALIZE`` the kernels work on ``dL/dx_hat`` and apply
+``dL/dx = (g - <g, x_hat> x_hat) / ||x||`` in their epilogue.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _project(b_g, b_x, b_r):
+    """``(g - <g, x_hat> x_hat) * r`` row-wise, ``r = 1/||x||``: [R, DP], [R, DP], [R]."""
+    b_xh = b_x * b_r[:, None]
+    b_radial = tl.sum(b_g * b_xh, axis=1)
+    return (b_g - b_radial[:, None] * b_xh) * b_r[:, None]
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])
+def maxsim_bwd_gather_kernel(
+    G, Q, D, RQ, RD, ARG, GQ, GD32,
+    n_q, n_j, lq, ld, dim,
+    s_gi, s_gj,
+    s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh,
+    s_rdi, s_rdj,
+    s_gdi, s_gdj,
+    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_sb = tl.cdiv(lq, BLOCK_S)
+    i_q = (pid // n_sb).to(tl.int64)
+    o_s = (pid % n_sb) * BLOCK_S + tl.arange(0, BLOCK_S)
+    o_h = tl.arange(0, D_PAD)
+    m_s = o_s < lq
+    m_h = o_h < dim
+    m_sh = m_s[:, None] & m_h[None, :]
+    p_q = Q + i_q * s_qi + o_s[:, None] * s_qs + o_h[None, :] * s_qh
+
+    if SCATTER_D or NORMALIZE:
+        b_q = tl.load(p_q, mask=m_sh, other=0.0).to(tl.float32)                         # [BS, DP]
+    if NORMALIZE:
+        b_rq = tl.load(RQ + i_q * lq + o_s, mask=m_s, other=0.0)
+    if SCATTER_D:
+        b_qs = b_q
+        if NORMALIZE:
+            b_qs = b_q * b_rq[:, None]                                                 # q_hat
+
+    b_acc = tl.zeros([BLOCK_S, D_PAD], tl.float32)
+    p_arg = ARG + (i_q * n_j) * lq + o_s
+    for j in range(0, n_j):
+        b_g = tl.load(G + i_q * s_gi + j * s_gj)
+        b_a = tl.load(p_arg + j * lq, mask=m_s, other=-1).to(tl.int32)                # [BS]
+        m_a = b_a >= 0
+        m_ah = m_a[:, None] & m_h[None, :]
+        if NEED_Q:
+            p_d = D + i_q * s_di + j * s_dj
+            b_d = tl.load(p_d + b_a[:, None] * s_dt + o_h[None, :] * s_dh, mask=m_ah, other=0.0).to(tl.float32)
+            b_w = tl.where(m_a, b_g, 0.0)
+            if NORMALIZE:
+                b_w = b_w * tl.load(RD + i_q * s_rdi + j * s_rdj + b_a, mask=m_a, other=0.0)
+            b_acc += b_d * b_w[:, None]
+        if SCATTER_D:
+            p_gd = GD32 + i_q * s_gdi + j * s_gdj + b_a[:, None] * dim + o_h[None, :]
+            tl.atomic_add(p_gd, b_qs * b_g, mask=m_ah)
+
+    if NEED_Q:
+        if NORMALIZE:
+            b_acc = _project(b_acc, b_q, b_rq)
+        p_gq = GQ + i_q * lq * dim + o_s[:, None] * dim + o_h[None, :]
+        tl.store(p_gq, b_acc.to(GQ.dtype.element_ty), mask=m_sh)
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])
+def maxsim_bwd_doc_kernel(
+    G, Q, D, RQ, RD, ARG, GD,
+    n_q, n_j, lq, ld, dim,
+    s_gi, s_gj,
+    s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh,
+    s_rdi, s_rdj,
+    CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tb = tl.cdiv(ld, BLOCK_T)
+    i_doc = (pid // n_tb).to(tl.int64)
+    o_t = (pid % n_tb) * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_h = tl.arange(0, D_PAD)
+    o_r = tl.arange(0, BLOCK_R)
+    m_t = o_t < ld
+    m_h = o_h < dim
+    if CROSS:
+        # every query row may have picked a token of document j
+        i_own = i_doc * 0
+        i_j = i_doc
+        r_lo = i_doc * 0
+        r_hi = n_q * lq
+    else:
+        # candidate j of query i is only seen by query i's rows
+        i_own = i_doc // n_j
+        i_j = i_doc % n_j
+        r_lo = i_own * lq
+        r_hi = r_lo + lq
+
+    b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+    for r0 in range(r_lo, r_hi, BLOCK_R):
+        o_rr = r0 + o_r
+        m_r = o_rr < r_hi
+        i_q = o_rr // lq
+        i_s = o_rr % lq
+        b_a = tl.load(ARG + (i_q * n_j + i_j) * lq + i_s, mask=m_r, other=-1).to(tl.int32)   # [BR]
+        b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_r, other=0.0)
+        if NORMALIZE:
+            b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_r, other=0.0)
+        b_w = tl.where(b_a[None, :] == o_t[:, None], b_g[None, :], 0.0)                 # [BT, BR] one-hot * g
+        b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
+                      mask=m_r[:, None] & m_h[None, :], other=0.0)                        # [BR, DP]
+        if F32_DOT or UPCAST:
+            b_acc = tl.dot(b_w, b_q.to(tl.float32), b_acc, input_precision=PRECISION)
+        else:
+            # bf16 operands, as the host's own bf16 backward rounds its incoming gradient
+            b_acc = tl.dot(b_w.to(b_q.dtype), b_q, b_acc)                                # [BT, BR] @ [BR, DP]
+
+    p_d = D + i_own * s_di + i_j * s_dj
+    if NORMALIZE:
+        b_d = tl.load(p_d + o_t[:, None] * s_dt + o_h[None, :] * s_dh,
+                      mask=m_t[:, None] & m_h[None, :], other=0.0).to(tl.float32)
+        b_rd = tl.load(RD + i_own * s_rdi + i_j * s_rdj + o_t, mask=m_t, other=0.0)
+        b_acc = _project(b_acc, b_d, b_rd)
+    p_gd = GD + i_doc * ld * dim + o_t[:, None] * dim + o_h[None, :]
+    tl.store(p_gd, b_acc.to(GD.dtype.element_ty), mask=m_t[:, None] & m_h[None, :])
+
+
+@triton.jit
+def project_rows_kernel(G32, X, RX, OUT, n_rows, dim, s_xr, s_xh, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr):
+    """OUT[r] = (G32[r] - <G32[r], x_hat> x_hat) / ||x||, for an fp32 buffer of rows."""
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_h = tl.arange(0, D_PAD)
+    m = (o_r < n_rows)[:, None] & (o_h < dim)[None, :]
+    b_g = tl.load(G32 + o_r[:, None].to(tl.int64) * dim + o_h[None, :], mask=m, other=0.0)
+    b_x = tl.load(X + o_r[:, None].to(tl.int64) * s_xr + o_h[None, :] * s_xh, mask=m, other=0.0).to(tl.float32)
+    b_r = tl.load(RX + o_r, mask=o_r < n_rows, other=0.0)
+    b_out = _project(b_g, b_x, b_r)
+    tl.store(OUT + o_r[:, None].to(tl.int64) * dim + o_h[None, :], b_out.to(OUT.dtype.element_ty), mask=m)

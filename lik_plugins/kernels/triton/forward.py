@@ -1,0 +1,133 @@
+"""MaxSim forward as a GEMM with a segmented max/sum epilogue.
+
+One program owns a block of ``BLOCK_M = QPB * ROWS_PER_Q`` query-token rows — several
+queries (``QPB``) of ``ROWS_PER_Q`` tokens each — against one document.  It streams the
+document in ``BLOCK_N``-token tiles, so each document tile is loaded once per query
+*block* (not once per query) and the matrix units see full-height tiles.  Epilogue per
+tile: mask, row max (NaN-propagating) and, when a gradient is needed, the winning column.
+After the document: mask semantics, then a segmented sum over each query's rows.
+
+Queries longer than ``ROWS_PER_Q`` tokens are split into ``n_chunks`` row chunks whose
+partial scores land in ``OUT[chunk]`` and are summed on the host (deterministic).
+
+Layouts share the kernel through strides: in the cross product ``s_di == 0`` (every
+query sees document ``j``); for per-query candidates ``QPB == 1`` and document ``j`` of
+query ``qi`` sits at ``qi * s_di + j * s_dj``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _max_nan(a, b):
+    # NaN-propagating max: a NaN similarity must poison the score, never vanish.
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks"])
+def maxsim_fwd_kernel(
+    Q, D, QM, DM, RQ, RD, OUT, ARG,
+    n_q, n_j, lq, ld, dim,
+    s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh,
+    s_qmi, s_qms,
+    s_dmi, s_dmj, s_dmt,
+    s_rdi, s_rdj,
+    n_qblocks, n_chunks,
+    HAS_QM: tl.constexpr, HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr,
+    NORMALIZE: tl.constexpr, SAVE_ARG: tl.constexpr,
+    ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
+    pid = tl.program_id(0)
+    # Query blocks vary fastest: consecutive programs read the same document (L2 reuse).
+    n_m = n_qblocks * n_chunks
+    i_j = pid // n_m
+    i_m = pid % n_m
+    i_chunk = i_m // n_qblocks
+    i_qb = i_m % n_qblocks
+
+    o_m = tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    q_idx = i_qb * QPB + o_m // ROWS_PER_Q                   # [BM] query of each row
+    t_idx = i_chunk * ROWS_PER_Q + o_m % ROWS_PER_Q          # [BM] token of each row
+    m_row = (q_idx < n_q) & (t_idx < lq)
+    m_keep = m_row
+    if HAS_QM:
+        b_qm = tl.load(QM + q_idx.to(tl.int64) * s_qmi + t_idx * s_qms, mask=m_row, other=0)
+        m_keep = m_keep & (b_qm != 0)
+
+    q_first = (i_qb * QPB).to(tl.int64)
+    p_d = D + q_first * s_di + i_j.to(tl.int64) * s_dj
+    p_dm = DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj
+    p_rd = RD + q_first * s_rdi + i_j.to(tl.int64) * s_rdj
+    p_q = Q + q_idx.to(tl.int64) * s_qi + t_idx.to(tl.int64) * s_qs    # [BM] row pointers
+
+    if BLOCK_K == D_PAD:
+        # The whole embedding fits one tile: the query block stays on chip for the document.
+        b_q = tl.load(p_q[:, None] + o_k[None, :] * s_qh, mask=m_row[:, None] & (o_k[None, :] < dim), other=0.0)
+        if UPCAST:
+            b_q = b_q.to(tl.float32)
+
+    b_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_arg = tl.zeros([BLOCK_M], tl.int32)
+    b_floor = tl.full([BLOCK_M], float("-inf"), tl.float32)   # 0 once a masked doc token competes
+    for n0 in range(0, ld, BLOCK_N):
+        o_t = n0 + o_n
+        m_col = o_t < ld
+        if BLOCK_K == D_PAD:
+            b_d = tl.load(p_d + o_t[None, :] * s_dt + o_k[:, None] * s_dh,
+                          mask=m_col[None, :] & (o_k[:, None] < dim), other=0.0)      # [BK, BN]
+            if UPCAST:
+                b_d = b_d.to(tl.float32)
+            b_s = tl.dot(b_q, b_d, input_precision=PRECISION)                          # [BM, BK] @ [BK, BN]
+        else:
+            b_s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, dim, BLOCK_K):
+                o_kk = k0 + o_k
+                b_qk = tl.load(p_q[:, None] + o_kk[None, :] * s_qh,
+                               mask=m_row[:, None] & (o_kk[None, :] < dim), other=0.0)
+                b_dk = tl.load(p_d + o_t[None, :] * s_dt + o_kk[:, None] * s_dh,
+                               mask=m_col[None, :] & (o_kk[:, None] < dim), other=0.0)
+                if UPCAST:
+                    b_qk = b_qk.to(tl.float32)
+                    b_dk = b_dk.to(tl.float32)
+                b_s = tl.dot(b_qk, b_dk, b_s, input_precision=PRECISION)
+        if NORMALIZE:
+            b_rd = tl.load(p_rd + o_t, mask=m_col, other=0.0)
+            b_s = b_s * b_rd[None, :]
+        m_valid = m_col
+        if HAS_DM:
+            b_dm = tl.load(p_dm + o_t * s_dmt, mask=m_col, other=0)
+            m_valid = m_col & (b_dm != 0)
+            if ZERO_MODE:
+                n_masked = tl.sum((m_col & (b_dm == 0)).to(tl.int32), axis=0)
+                b_floor = tl.where(n_masked > 0, 0.0, b_floor)
+        b_s = tl.where(m_valid[None, :], b_s, float("-inf"))
+        b_tile = tl.reduce(b_s, 1, _max_nan)                                            # [BM]
+        if SAVE_ARG:
+            # lowest column reaching the tile max; strict '>' keeps the earliest tile on ties
+            b_targ = tl.min(tl.where(b_s == b_tile[:, None], o_t[None, :], 2147483647), axis=1)
+            b_arg = tl.where(b_tile > b_max, b_targ, b_arg)
+        b_max = _max_nan(b_max, b_tile)
+
+    if NORMALIZE:
+        b_rq = tl.load(RQ + q_idx.to(tl.int64) * lq + t_idx, mask=m_row, other=1.0)
+        b_max = b_max * b_rq      # 1/||q|| > 0 commutes with the max
+    # A row scores its max if a valid token won (a masked 0 loses ties); NaN stays NaN.
+    m_win = ((b_max > float("-inf")) & (b_max >= b_floor)) | (b_max != b_max)
+    m_win = m_win & m_keep
+    b_val = tl.where(m_win, b_max, 0.0)
+    b_score = tl.sum(tl.reshape(b_val, [QPB, ROWS_PER_Q]), axis=1)                     # [QPB]
+    o_q = i_qb * QPB + tl.arange(0, QPB)
+    p_out = OUT + i_chunk.to(tl.int64) * n_q * n_j + o_q.to(tl.int64) * n_j + i_j
+    tl.store(p_out, b_score, mask=o_q < n_q)
+    if SAVE_ARG:
+        b_win = tl.where(m_win, b_arg, -1)
+        p_arg = ARG + (q_idx.to(tl.int64) * n_j + i_j) * lq + t_idx
+        tl.store(p_arg, b_win.to(ARG.dtype.element_ty), mask=m_row)

@@ -1,0 +1,180 @@
+"""Host launchers for the Triton kernels: allocate, pick tiles and grid, launch.
+
+Same signatures as :mod:`lik_plugins.kernels.chunked`.  No host synchronisation happens
+here (no ``.item()``, no data-dependent shapes), so forward and backward can be captured
+in a CUDA graph once the autotuner has seen the shape bucket.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..common import inverse_norms
+from .backward import maxsim_bwd_doc_kernel, maxsim_bwd_gather_kernel, project_rows_kernel
+from .forward import maxsim_fwd_kernel
+from .tuning import forward_kernel_and_meta, interpreting, next_pow2
+
+# Lq above this is split into row chunks of this many tokens (exact: partial sums).
+MAX_ROWS_PER_Q = 128
+# Rows per program the forward aims for: 128 rows fill a Hopper warpgroup MMA twice over.
+TARGET_BLOCK_M = 128
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not be silently computed at reduced precision: three TF32 passes
+    # give ~fp32 accuracy on the tensor cores.  (fp16/bf16 ignore the setting.)
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _mask_bytes(mask: torch.Tensor | None, device) -> torch.Tensor:
+    if mask is None:
+        return torch.empty(1, dtype=torch.uint8, device=device)
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
+
+
+def row_blocking(lq: int, nq: int, cross: bool) -> tuple[int, int, int]:
+    """(ROWS_PER_Q, QPB, n_chunks): query tokens per query slot, query slots per program,
+    row chunks per query.  Powers of two; BLOCK_M = ROWS_PER_Q * QPB >= 16 (MMA minimum)."""
+    rows = min(next_pow2(max(lq, 1)), MAX_ROWS_PER_Q)
+    if cross:
+        qpb = max(1, min(TARGET_BLOCK_M // rows, next_pow2(max(nq, 1))))
+    else:
+        qpb = 1  # each query has its own candidates: nothing to share
+    rows = max(rows, 16 // qpb)
+    return rows, qpb, triton.cdiv(max(lq, 1), rows)
+
+
+def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
+    nq, lq, dim = Q.shape
+    if cross:
+        nj, ld = D.shape[0], D.shape[1]
+        s_di, s_dj, s_dt, s_dh = 0, D.stride(0), D.stride(1), D.stride(2)
+    else:
+        nj, ld = D.shape[1], D.shape[2]
+        s_di, s_dj, s_dt, s_dh = D.stride()
+    device = Q.device
+    rows, qpb, n_chunks = row_blocking(lq, nq, cross)
+    n_qblocks = triton.cdiv(nq, qpb)
+    scores = torch.empty((n_chunks, nq, nj), dtype=torch.float32, device=device)
+    argmax = None
+    if save_argmax:
+        arg_dtype = torch.int16 if ld < 2**15 else torch.int32
+        argmax = torch.empty((nq, nj, lq), dtype=arg_dtype, device=device)
+    if scores.numel() == 0 or lq == 0:
+        return scores.sum(0) if n_chunks else scores[0], (argmax.fill_(-1) if argmax is not None else None)
+
+    qm = _mask_bytes(q_mask, device)
+    dm = _mask_bytes(d_mask, device)
+    placeholder = torch.empty(1, dtype=torch.float32, device=device)
+    rq = inverse_norms(Q) if normalize else placeholder
+    rd = inverse_norms(D) if normalize else placeholder
+    if cross:
+        s_dmi, s_dmj, s_dmt = (0, dm.stride(0), dm.stride(1)) if d_mask is not None else (0, 0, 0)
+        s_rdi, s_rdj = (0, rd.stride(0)) if normalize else (0, 0)
+    else:
+        s_dmi, s_dmj, s_dmt = dm.stride() if d_mask is not None else (0, 0, 0)
+        s_rdi, s_rdj = (rd.stride(0), rd.stride(1)) if normalize else (0, 0)
+    s_qmi, s_qms = qm.stride() if q_mask is not None else (0, 0)
+
+    d_pad = max(16, next_pow2(dim))
+    kernel, meta = forward_kernel_and_meta(
+        rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=Q.dtype, n_programs=nj * n_qblocks * n_chunks,
+        save_arg=save_argmax,
+    )
+    grid = (nj * n_qblocks * n_chunks,)
+    kernel[grid](
+        Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else placeholder,
+        nq, nj, lq, ld, dim,
+        Q.stride(0), Q.stride(1), Q.stride(2),
+        s_di, s_dj, s_dt, s_dh,
+        s_qmi, s_qms,
+        s_dmi, s_dmj, s_dmt,
+        s_rdi, s_rdj,
+        n_qblocks, n_chunks,
+        HAS_QM=q_mask is not None, HAS_DM=d_mask is not None, ZERO_MODE=bool(zero_mode),
+        NORMALIZE=bool(normalize), SAVE_ARG=bool(save_argmax),
+        ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
+        UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype),
+        **meta,
+    )
+    out = scores[0] if n_chunks == 1 else scores.sum(0)
+    return out, argmax
+
+
+def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
+    """``strategy``: ``"lowmem"`` (destination-owned grad_D, deterministic, no fp32 buffer)
+    or ``"unified"`` (gather + atomic scatter in one pass over the argmax)."""
+    nq, lq, dim = Q.shape
+    if cross:
+        nj, ld = D.shape[0], D.shape[1]
+        s_di, s_dj, s_dt, s_dh = 0, D.stride(0), D.stride(1), D.stride(2)
+    else:
+        nj, ld = D.shape[1], D.shape[2]
+        s_di, s_dj, s_dt, s_dh = D.stride()
+    device = Q.device
+    grad = grad.to(torch.float32)
+    placeholder = torch.empty(1, dtype=torch.float32, device=device)
+    rq = inverse_norms(Q) if normalize else placeholder
+    rd = inverse_norms(D) if normalize else placeholder
+    s_rdi, s_rdj = ((0, rd.stride(0)) if cross else (rd.stride(0), rd.stride(1))) if normalize else (0, 0)
+    d_pad = max(16, next_pow2(dim))
+    grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if need_q else None
+    grad_d = None
+    if need_d:
+        grad_d = torch.empty(D.shape, dtype=D.dtype, device=device)
+    if Q.numel() == 0 or D.numel() == 0 or grad.numel() == 0:
+        if grad_q is not None:
+            grad_q.zero_()
+        if grad_d is not None:
+            grad_d.zero_()
+        return grad_q, grad_d
+
+    scatter = need_d and strategy == "unified"
+    gd32 = None
+    if scatter:
+        gd32 = grad_d if (D.dtype == torch.float32 and not normalize) else torch.empty(D.shape, dtype=torch.float32, device=device)
+        gd32.zero_()
+    if need_q or scatter:
+        block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
+        grid = (nq * triton.cdiv(lq, block_s),)
+        maxsim_bwd_gather_kernel[grid](
+            grad, Q, D, rq, rd, argmax, grad_q if grad_q is not None else placeholder,
+            gd32 if gd32 is not None else placeholder,
+            nq, nj, lq, ld, dim,
+            grad.stride(0), grad.stride(1),
+            Q.stride(0), Q.stride(1), Q.stride(2),
+            s_di, s_dj, s_dt, s_dh,
+            s_rdi, s_rdj,
+            0 if cross else nj * ld * dim, ld * dim,
+            NEED_Q=need_q, SCATTER_D=scatter, NORMALIZE=bool(normalize),
+            BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
+        )
+    if scatter:
+        if normalize:
+            rows = gd32.numel() // dim
+            block_r = max(1, min(64, 8192 // d_pad))
+            d_rows = D.reshape(rows, dim)
+            project_rows_kernel[(triton.cdiv(rows, block_r),)](
+                gd32, d_rows, rd.reshape(-1), grad_d, rows, dim, d_rows.stride(0), d_rows.stride(1),
+                BLOCK_R=block_r, D_PAD=d_pad,
+            )
+        elif gd32 is not grad_d:
+            grad_d.copy_(gd32)
+    elif need_d:
+        block_t = 64 if d_pad <= 128 else (32 if d_pad <= 256 else 16)
+        block_r = 32 if d_pad <= 256 else 16
+        f32_dot = Q.dtype != torch.bfloat16
+        grid = ((nj if cross else nq * nj) * triton.cdiv(ld, block_t),)
+        maxsim_bwd_doc_kernel[grid](
+            grad, Q, D, rq, rd, argmax, grad_d,
+            nq, nj, lq, ld, dim,
+            grad.stride(0), grad.stride(1),
+            Q.stride(0), Q.stride(1), Q.stride(2),
+            s_di, s_dj, s_dt, s_dh,
+            s_rdi, s_rdj,
+            CROSS=cross, NORMALIZE=bool(normalize), F32_DOT=f32_dot,
+            PRECISION=_precision(Q.dtype) if Q.dtype == torch.float32 else "tf32",
+            UPCAST=interpreting() and Q.dtype == torch.bfloat16,
+            BLOCK_T=block_t, BLOCK_R=block_r, D_PAD=d_pad, num_warps=4,
+        )
+    return grad_q, grad_d

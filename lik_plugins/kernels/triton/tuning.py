@@ -1,0 +1,95 @@
+"""Forward autotuning: which configs exist, when to tune, what the cache is keyed on.
+
+The host picks the row blocking (``ROWS_PER_Q``, ``QPB``) from the shape; the autotuner
+only chooses the document tile and the pipeline (``BLOCK_N``, ``BLOCK_K``, warps,
+stages).  The key is ``(ROWS_PER_Q, QPB, D_PAD, SAVE_ARG)`` plus the tensor dtypes, so
+batch size, document length, mask presence and query length *within a power-of-two
+bucket* never trigger a new sweep.  (Mask presence does compile a second variant of the
+kernel once, since it is a constexpr; it reuses the tuned config.)
+
+No sweep happens for small launches (few programs: launch-bound, and the unit-test / REPL
+regime) nor under ``TRITON_INTERPRET=1``: those use one fixed config.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+import torch
+import triton
+
+from .forward import maxsim_fwd_kernel
+
+# Below this many programs a launch is latency-bound: a sweep costs more than it saves.
+SMALL_LAUNCH_PROGRAMS = 128
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _block_k(d_pad: int) -> int:
+    return d_pad if d_pad <= 256 else 128
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_budget() -> int:
+    if not torch.cuda.is_available():
+        return 96 * 1024
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
+
+
+def _smem_bytes(block_m, block_n, block_k, stages, elem) -> int:
+    # query block resident + `stages` document tiles in flight + fp32 epilogue scratch
+    return block_m * block_k * elem + stages * block_n * block_k * elem + block_m * block_n * 4
+
+
+def _configs():
+    return [
+        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+        for n in (32, 64, 128)
+        for w in (4, 8)
+        for s in (2, 3, 4)
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    block_m = kwargs["ROWS_PER_Q"] * kwargs["QPB"]
+    block_k = kwargs["BLOCK_K"]
+    elem = named_args["Q"].element_size()
+    budget = _smem_budget() - 8 * 1024
+    kept = [c for c in configs if _smem_bytes(block_m, c.kwargs["BLOCK_N"], block_k, c.num_stages, elem) <= budget]
+    # 8 warps only pay with a tall block (a warp needs >= 16 rows of the MMA)
+    kept = [c for c in kept if c.num_warps == 4 or block_m >= 128]
+    return kept or configs[:1]
+
+
+def _autotune_kwargs() -> dict:
+    params = inspect.signature(triton.autotune).parameters
+    return {"cache_results": True} if "cache_results" in params else {}
+
+
+_tuned_forward = triton.autotune(
+    configs=_configs(),
+    key=["ROWS_PER_Q", "QPB", "D_PAD", "SAVE_ARG"],
+    prune_configs_by={"early_config_prune": _prune},
+    **_autotune_kwargs(),
+)(maxsim_fwd_kernel)
+
+
+def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_arg):
+    """The kernel to launch and the meta-parameters the caller must pass."""
+    block_k = _block_k(d_pad)
+    if interpreting() or n_programs < SMALL_LAUNCH_PROGRAMS:
+        block_n = 64 if d_pad <= 256 else 32
+        meta = {"BLOCK_N": block_n, "BLOCK_K": block_k}
+        if not interpreting():
+            meta.update(num_warps=4, num_stages=2)
+        return maxsim_fwd_kernel, meta
+    return _tuned_forward, {"BLOCK_K": block_k}
