@@ -1,0 +1,192 @@
+"""``patch_pylate()`` / ``unpatch_pylate()``: every PyLate capture point, applied and reverted.
+
+Three kinds of capture points (``notes/pylate.md`` section 4):
+
+* **module globals** -- every ``pylate.*`` module attribute that *is* one of the three
+  original scorers (defining module, ``pylate.scores``, similarity functions,
+  ``rank.rank``, losses, evaluators) is replaced by its adapter, found by identity so
+  re-exports in any release are covered;
+* **default arguments** -- ``__defaults__`` / ``__kwdefaults__`` of functions and methods
+  defined in PyLate that hold an original (``Distillation`` in every release,
+  ``Contrastive`` / ``CachedContrastive`` up to 1.4.x);
+* **instances** -- ``loss.score_metric``, ``model._similarity(_pairwise)`` and an
+  evaluator's ``score_functions`` of objects built *before* the patch: a class-level
+  property maps an original scorer to its adapter on read and stores the original on
+  write, so objects built before, during or after the patch behave alike and
+  ``unpatch_pylate()`` leaves them exactly as PyLate made them.
+
+Plus ``ColBERTScores.__call__`` (1.5.0 and newer): one fused call over all document
+groups instead of PyLate's loop.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+from .._patching import PatchLedger
+from . import _layout as layout_mod
+from . import _scores
+
+_lock = threading.Lock()
+_ledger = PatchLedger("pylate")
+_current: layout_mod.PyLateLayout | None = None
+
+
+def _mapping_property(name: str, to_adapter: dict, to_original: dict) -> property:
+    """A data descriptor over the instance slot ``name`` (which shadows ``__dict__``)."""
+
+    def swap(value: Any, table: dict) -> Any:
+        try:
+            if isinstance(value, dict):
+                return {key: table.get(item, item) for key, item in value.items()}
+            return table.get(value, value)
+        except TypeError:  # unhashable callable: not one of ours
+            return value
+
+    def fget(self):
+        try:
+            value = self.__dict__[name]
+        except KeyError:
+            modules = self.__dict__.get("_modules")  # an nn.Module stored by nn.Module.__setattr__
+            if modules is not None and name in modules:
+                return modules[name]
+            raise AttributeError(name) from None
+        return swap(value, to_adapter)
+
+    def fset(self, value):
+        self.__dict__[name] = swap(value, to_original)
+
+    def fdel(self):
+        del self.__dict__[name]
+
+    return property(fget, fset, fdel, doc=f"{name} (PyLate scorers served by lik_plugins)")
+
+
+def _pylate_modules() -> list:
+    return [m for n, m in list(sys.modules.items()) if m is not None and (n == "pylate" or n.startswith("pylate."))]
+
+
+def _defined_in_pylate(obj: Any) -> bool:
+    return str(getattr(obj, "__module__", "") or "").startswith("pylate")
+
+
+def _rewrite_defaults(func: Any, to_adapter: dict) -> None:
+    func = getattr(func, "__func__", func)
+    if not hasattr(func, "__defaults__") or not _defined_in_pylate(func):
+        return
+    defaults = func.__defaults__
+    if defaults and any(_is_original(d, to_adapter) for d in defaults):
+        _ledger.set_defaults(func, tuple(to_adapter.get(d, d) if _is_original(d, to_adapter) else d for d in defaults))
+    kwdefaults = func.__kwdefaults__
+    if kwdefaults and any(_is_original(v, to_adapter) for v in kwdefaults.values()):
+        _ledger.set_kwdefaults(
+            func, {k: (to_adapter[v] if _is_original(v, to_adapter) else v) for k, v in kwdefaults.items()}
+        )
+
+
+def _is_original(value: Any, to_adapter: dict) -> bool:
+    try:
+        return value in to_adapter
+    except TypeError:
+        return False
+
+
+def _already_patched(owner: Any, name: str) -> bool:
+    return any(c.owner is owner and c.name == name for c in _ledger.changes)
+
+
+def _apply(layout: layout_mod.PyLateLayout) -> None:
+    to_adapter = {layout.originals[n]: _scores.ADAPTERS[n] for n in layout_mod.FUNCTIONS}
+    to_original = {adapter: original for original, adapter in to_adapter.items()}
+
+    for module in _pylate_modules():
+        # 1. module globals (found by identity: covers re-exports in every release)
+        for attr, value in list(vars(module).items()):
+            if _is_original(value, to_adapter) and not _already_patched(module, attr):
+                _ledger.set_attr(module, attr, to_adapter[value])
+        # 2. default arguments bound at import time
+        for value in list(vars(module).values()):
+            if not _defined_in_pylate(value) or getattr(value, "__module__", None) != module.__name__:
+                continue
+            if isinstance(value, type):
+                for member in list(vars(value).values()):
+                    if not _already_patched(getattr(member, "__func__", member), "__defaults__"):
+                        _rewrite_defaults(member, to_adapter)
+            elif callable(value) and not _already_patched(value, "__defaults__"):
+                _rewrite_defaults(value, to_adapter)
+
+    # 3. instance slots of objects built before the patch
+    for module_name, class_name, attr in layout_mod.INSTANCE_SLOTS:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None) if module is not None else None
+        if cls is None or _already_patched(cls, attr):
+            continue
+        if isinstance(vars(cls).get(attr), property):
+            continue  # the host made it a property itself: leave it alone
+        _ledger.set_attr(cls, attr, _mapping_property(attr, to_adapter, to_original))
+
+    # 4. ColBERTScores: one fused call over all document groups (1.5.0 and newer)
+    cls = layout.colbert_scores_class
+    if cls is not None and not _already_patched(cls, "__call__"):
+        _ledger.set_attr(cls, "__call__", _scores.colbert_scores_call)
+
+
+def patch_pylate() -> layout_mod.PyLateLayout:
+    """Serve PyLate's MaxSim scoring with ``lik_plugins`` kernels (PyLate 1.3.3 - 1.6.x).
+
+    After the call, ``colbert_scores``, ``colbert_kd_scores``, ``colbert_scores_pairwise``
+    (wherever PyLate looks them up: defining module, ``pylate.scores``, similarity
+    functions, ``rank.rerank``, the evaluators), ``ColBERTScores`` and the losses
+    ``Contrastive``, ``CachedContrastive`` and ``Distillation`` run on the kernels --
+    including losses and models built before the call.  Results keep PyLate's mask
+    semantics and output dtype; inputs the kernels cannot serve run PyLate's own code.
+
+    The backend is chosen per call as in PyLate >= 1.5.1 (``backend=`` argument, else
+    ``PYLATE_SCORES_BACKEND``): ``lik`` (ours, on every device, errors instead of falling
+    back), ``auto`` (ours where it applies, else PyLate's), ``torch`` / ``flash``
+    (PyLate's).  ``LIK_DISABLE=1`` sends every call to PyLate's original code.
+
+    Calling it again is harmless (it also covers PyLate modules imported since).
+    :func:`lik_plugins.routing_counts` shows which path served each call, under the
+    entries ``pylate.colbert_scores``, ``pylate.colbert_kd_scores``,
+    ``pylate.colbert_scores_pairwise`` and ``pylate.ColBERTScores``.
+
+    Returns:
+        The detected :class:`PyLateLayout` (``version``, ``group``, originals).
+
+    Example::
+
+        import lik_plugins
+        lik_plugins.patch_pylate()
+        ...  # build the ColBERT model and loss, train as usual
+        print(lik_plugins.routing_counts())
+    """
+    global _current
+    with _lock:
+        for name in layout_mod.MODULES:
+            layout_mod.import_optional(name)
+        layout = _current
+        if layout is None:
+            layout = layout_mod.detect()
+            if layout.colbert_scores_class is not None:
+                originals = dict(layout.originals)
+                originals["ColBERTScores.__call__"] = vars(layout.colbert_scores_class)["__call__"]
+                layout = layout_mod.PyLateLayout(**{**layout.__dict__, "originals": originals})
+        _apply(layout)
+        _current = layout
+        _scores.bind(layout, active=True)
+        return layout
+
+
+def unpatch_pylate() -> None:
+    """Restore every original PyLate object exactly (harmless when not patched)."""
+    global _current
+    with _lock:
+        _ledger.revert()
+        _scores.bind(_current, active=False)
+        _current = None
+
+
+def is_patched() -> bool:
+    return _ledger.active

@@ -1,0 +1,323 @@
+"""PyLate's scoring functions, served by ``lik_plugins`` with PyLate's exact semantics.
+
+Each adapter keeps the host's contract and nothing else:
+
+* multiplicative masks (``mask_mode="zero"``): a masked document token scores 0 and
+  still takes part in the max; a masked query token adds 0; masks of any dtype;
+* the output dtype PyLate's own einsum path gives (type promotion of the embeddings
+  and the masks), although the op itself always returns float32;
+* positional and keyword calls, ``backend=``, numpy arrays and lists, ragged lists in
+  pairwise scoring (packed with padding masks);
+* anything the op cannot serve goes to PyLate's original function, silently under
+  ``auto`` and with an error under an explicit ``backend="lik"``.
+
+Backend values (argument first, else ``PYLATE_SCORES_BACKEND``, read on every call):
+``lik`` -> ``lik_plugins`` on every device it serves (CPU included); ``torch`` and
+``flash`` -> PyLate's own code; ``auto`` -> ``lik_plugins`` wherever it applies, else
+PyLate's own code.  Other values raise PyLate's ``ValueError``.  ``LIK_DISABLE=1`` sends
+every call to PyLate's original code (a request for ``lik`` becomes ``torch`` there).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from .._config import disabled
+from .._routing import record
+from ._layout import PyLateLayout
+
+ACCEPTED_BACKENDS = ("auto", "torch", "flash", "lik")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: Set by the patcher; the adapters read it on every call.
+_layout: PyLateLayout | None = None
+_active = False
+
+
+def bind(layout: PyLateLayout | None, active: bool) -> None:
+    global _layout, _active
+    _layout, _active = layout, active
+
+
+def _ops():
+    from .. import ops
+
+    return ops
+
+
+# ---------------------------------------------------------------------------- backend
+
+
+def requested_backend(backend: str | None) -> str:
+    """The backend a call asks for, validated exactly like PyLate >= 1.5.1 does."""
+    layout = _layout
+    if layout is not None and layout.resolve_backend is not None:
+        return layout.resolve_backend(backend)
+    if backend is None:
+        backend = os.environ.get("PYLATE_SCORES_BACKEND", "auto")
+    value = backend.lower()
+    if value not in ACCEPTED_BACKENDS:
+        raise ValueError(f"backend must be one of 'auto', 'torch', 'flash', 'lik'; got {backend!r}")
+    return value
+
+
+class _Fallback:
+    """Why the op does not serve a call.  ``strict``: raise under ``backend="lik"``."""
+
+    __slots__ = ("reason", "strict")
+
+    def __init__(self, reason: str, strict: bool = True) -> None:
+        self.reason, self.strict = reason, strict
+
+
+def _call_original(entry: str, original: Callable, args: tuple, backend: str | None, choice: str | None) -> Any:
+    record(entry, "original")
+    layout = _layout
+    if layout is None or not layout.has_backend:
+        if choice == "flash":
+            raise RuntimeError(
+                f"backend='flash' needs PyLate >= 1.5.1 (installed: {layout.version if layout else 'unknown'})"
+            )
+        return original(*args)
+    if choice == "lik":
+        # ``lik`` names lik_plugins while the patch is in place; with the kill switch on
+        # the call runs PyLate's own torch path instead of PyLate's LIK hook.
+        backend = "torch"
+    return original(*args, backend=backend)
+
+
+def _dispatch(entry: str, name: str, args: tuple, backend: str | None, prepare: Callable, original=None) -> Any:
+    layout = _layout
+    if original is None:
+        original = layout.originals[name]
+    if not _active or disabled():
+        choice = None
+        if layout is not None and layout.has_backend:
+            # Only translate a ``lik`` request; everything else goes through untouched.
+            requested = backend if backend is not None else os.environ.get("PYLATE_SCORES_BACKEND", "auto")
+            choice = "lik" if isinstance(requested, str) and requested.lower() == "lik" else None
+        return _call_original(entry, original, args, backend, choice)
+    choice = requested_backend(backend)
+    if choice in ("torch", "flash"):
+        return _call_original(entry, original, args, backend, choice)
+    plan = prepare(*args)
+    if isinstance(plan, _Fallback):
+        if choice == "lik" and plan.strict:
+            raise RuntimeError(f"backend='lik': lik_plugins cannot serve this {name} call ({plan.reason})")
+        return _call_original(entry, original, args, backend, choice)
+    path, run = plan
+    record(entry, path)
+    return run()
+
+
+# ------------------------------------------------------------------------ input checks
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    converted = _layout.convert_to_tensor(x)
+    if not isinstance(converted, torch.Tensor):
+        raise TypeError(f"cannot convert {type(x).__name__} to a tensor")
+    return converted
+
+
+def _out_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """Type promotion of PyLate's ``einsum(Q, D) * q_mask * d_mask``."""
+    out = dtypes[0]
+    for dtype in dtypes[1:]:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+def _check_embeddings(Q: torch.Tensor, D: torch.Tensor, d_dim: int) -> str | None:
+    if Q.dim() != 3 or D.dim() != d_dim:
+        return f"expected {3}-D queries and {d_dim}-D documents, got {Q.dim()}-D and {D.dim()}-D"
+    if Q.dtype != D.dtype or Q.dtype not in SUPPORTED_DTYPES:
+        return f"dtypes {Q.dtype} / {D.dtype} (supported: float16, bfloat16, float32, both the same)"
+    if Q.device != D.device:
+        return f"queries on {Q.device}, documents on {D.device}"
+    if Q.shape[-1] != D.shape[-1]:
+        return f"embedding sizes {Q.shape[-1]} / {D.shape[-1]}"
+    return None
+
+
+def _check_mask(mask: torch.Tensor | None, shape: tuple, device: torch.device, what: str) -> str | None:
+    if mask is None:
+        return None
+    if tuple(mask.shape) != tuple(shape):
+        return f"{what} mask of shape {tuple(mask.shape)}, expected {tuple(shape)}"
+    if mask.device != device:
+        return f"{what} mask on {mask.device}, embeddings on {device}"
+    if mask.is_complex():
+        return f"{what} mask of dtype {mask.dtype}"
+    return None
+
+
+def _convert(Q, D, q_mask, d_mask):
+    Q, D = _as_tensor(Q), _as_tensor(D)
+    q_mask = None if q_mask is None else _as_tensor(q_mask)
+    d_mask = None if d_mask is None else _as_tensor(d_mask)
+    return Q, D, q_mask, d_mask
+
+
+def _prepare_masked(Q, D, q_mask, d_mask, *, d_dim: int, fold_groups: bool):
+    """Shared checks of the masked layouts.
+
+    ``d_dim=3``: ``colbert_scores`` ``[Nd, Ld, H]``.  ``d_dim=4``: ``colbert_kd_scores``
+    (``fold_groups=False``, ``[Nq, K, Ld, H]`` per-query candidates) or ``ColBERTScores``
+    (``fold_groups=True``, ``[Qd, N, Ld, H]`` groups folded into ``Qd*N`` documents,
+    query-major columns ``d*N + k``).
+    """
+    try:
+        Q, D, q_mask, d_mask = _convert(Q, D, q_mask, d_mask)
+    except Exception as exc:  # the original raises its own error for these
+        return _Fallback(f"inputs not convertible to tensors: {exc}")
+    reason = _check_embeddings(Q, D, d_dim)
+    if reason is None and d_dim == 4 and not fold_groups and D.shape[0] != Q.shape[0]:
+        reason = f"{Q.shape[0]} queries but candidates for {D.shape[0]}"
+    if reason is None:
+        reason = _check_mask(q_mask, Q.shape[:2], Q.device, "query") or _check_mask(
+            d_mask, D.shape[:-1], D.device, "document"
+        )
+    if reason is not None:
+        return _Fallback(reason)
+    if Q.shape[1] == 0 or D.shape[-2] == 0:
+        return _Fallback("zero-length token axis", strict=False)
+    out_dtype = _out_dtype(Q.dtype, *(m.dtype for m in (q_mask, d_mask) if m is not None))
+    if fold_groups:
+        n_docs = D.shape[0] * D.shape[1]
+        D = D.reshape(n_docs, D.shape[2], D.shape[3])
+        d_mask = None if d_mask is None else d_mask.reshape(n_docs, d_mask.shape[2])
+    ops = _ops()
+
+    def run() -> torch.Tensor:
+        return ops.maxsim(Q, D, q_mask, d_mask, mask_mode="zero").to(out_dtype)
+
+    return ops.served_by(Q), run
+
+
+def _prepare_cross(Q, D, queries_mask=None, documents_mask=None):
+    return _prepare_masked(Q, D, queries_mask, documents_mask, d_dim=3, fold_groups=False)
+
+
+def _prepare_kd(Q, D, queries_mask=None, documents_mask=None):
+    return _prepare_masked(Q, D, queries_mask, documents_mask, d_dim=4, fold_groups=False)
+
+
+def _prepare_groups(Q, D, queries_mask=None, documents_mask=None):
+    return _prepare_masked(Q, D, queries_mask, documents_mask, d_dim=4, fold_groups=True)
+
+
+def _prepare_pairwise(Q, D):
+    """Pairs ``Q[i]`` x ``D[i]``: ``[B, L, H]`` tensors, or sequences of ``[L_i, H]``
+    (ragged; packed into zero-padded tensors with padding masks that *exclude*)."""
+    try:
+        if isinstance(Q, torch.Tensor) and isinstance(D, torch.Tensor):
+            Qs, Ds, ragged = Q, D, False
+        else:
+            Qs = [_as_tensor(q) for q in Q]
+            Ds = [_as_tensor(d) for d in D]
+            ragged = True
+    except Exception as exc:
+        return _Fallback(f"inputs not convertible to tensors: {exc}")
+    if len(Qs) != len(Ds):
+        return _Fallback(f"{len(Qs)} queries but {len(Ds)} documents", strict=False)
+    if len(Qs) == 0:
+        return _Fallback("empty batch", strict=False)
+    if not ragged:
+        reason = _check_embeddings(Qs, Ds, 3)
+        if reason is not None:
+            return _Fallback(reason)
+        if Qs.shape[1] == 0 or Ds.shape[1] == 0:
+            return _Fallback("zero-length token axis", strict=False)
+        q_mask = d_mask = None
+        mask_mode = "zero"
+    else:
+        first = Qs[0]
+        for x in (*Qs, *Ds):
+            if x.dim() != 2 or x.dtype != first.dtype or x.device != first.device or x.shape[-1] != first.shape[-1]:
+                return _Fallback("pairwise items must be [L, H] tensors of one dtype, device and size")
+        if first.dtype not in SUPPORTED_DTYPES:
+            return _Fallback(f"dtype {first.dtype}")
+        if any(x.shape[0] == 0 for x in (*Qs, *Ds)):
+            return _Fallback("zero-length item", strict=False)
+        q_lengths = torch.tensor([q.shape[0] for q in Qs], device=first.device)
+        d_lengths = torch.tensor([d.shape[0] for d in Ds], device=first.device)
+        Qs = torch.nn.utils.rnn.pad_sequence(Qs, batch_first=True)
+        Ds = torch.nn.utils.rnn.pad_sequence(Ds, batch_first=True)
+        q_mask = torch.arange(Qs.shape[1], device=first.device)[None, :] < q_lengths[:, None]
+        d_mask = torch.arange(Ds.shape[1], device=first.device)[None, :] < d_lengths[:, None]
+        # No padding in PyLate's per-pair loop: padded document tokens must never win.
+        mask_mode = "exclude"
+    out_dtype = Qs.dtype
+    ops = _ops()
+
+    def run() -> torch.Tensor:
+        return ops.maxsim_pairs(Qs, Ds, q_mask, d_mask, mask_mode=mask_mode).to(out_dtype)
+
+    return ops.served_by(Qs), run
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def colbert_scores(
+    queries_embeddings,
+    documents_embeddings,
+    queries_mask=None,
+    documents_mask=None,
+    backend: str | None = None,
+):
+    """``pylate.scores.colbert_scores`` served by ``lik_plugins``: ``[Nq, Lq, H]`` x
+    ``[Nd, Ld, H]`` -> ``[Nq, Nd]`` with PyLate's multiplicative masks."""
+    args = (queries_embeddings, documents_embeddings, queries_mask, documents_mask)
+    return _dispatch("pylate.colbert_scores", "colbert_scores", args, backend, _prepare_cross)
+
+
+def colbert_kd_scores(
+    queries_embeddings,
+    documents_embeddings,
+    queries_mask=None,
+    documents_mask=None,
+    backend: str | None = None,
+):
+    """``pylate.scores.colbert_kd_scores`` served by ``lik_plugins``: ``[B, Lq, H]`` x
+    ``[B, N, Ld, H]`` (each query's own candidates) -> ``[B, N]``."""
+    args = (queries_embeddings, documents_embeddings, queries_mask, documents_mask)
+    return _dispatch("pylate.colbert_kd_scores", "colbert_kd_scores", args, backend, _prepare_kd)
+
+
+def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend: str | None = None):
+    """``pylate.scores.colbert_scores_pairwise`` served by ``lik_plugins``: pairs
+    ``Q[i]`` x ``D[i]`` -> ``[B]``; ragged lists are packed."""
+    args = (queries_embeddings, documents_embeddings)
+    return _dispatch("pylate.colbert_scores_pairwise", "colbert_scores_pairwise", args, backend, _prepare_pairwise)
+
+
+def colbert_scores_call(
+    self,
+    queries_embeddings,
+    documents_embeddings,
+    queries_mask=None,
+    documents_mask=None,
+    backend: str | None = None,
+):
+    """``ColBERTScores.__call__`` as one fused call: ``[Qq, Lq, H]`` x ``[Qd, N, Ld, H]``
+    -> ``[Qq, Qd*N]``, query-major (column ``d*N + k`` is document ``d``, slot ``k``)."""
+    original = _layout.originals["ColBERTScores.__call__"]
+    args = (self, queries_embeddings, documents_embeddings, queries_mask, documents_mask)
+
+    def prepare(_self, *rest):
+        return _prepare_groups(*rest)
+
+    return _dispatch("pylate.ColBERTScores", "ColBERTScores", args, backend, prepare, original=original)
+
+
+ADAPTERS = {
+    "colbert_scores": colbert_scores,
+    "colbert_kd_scores": colbert_kd_scores,
+    "colbert_scores_pairwise": colbert_scores_pairwise,
+}
