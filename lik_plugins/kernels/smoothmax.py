@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from .._config import chunk_elements, disabled, forced_backend, triton_interpret
+from .._config import chunk_elements, triton_interpret
 
 LAYOUTS = ("cross", "candidates", "pairs")
 
@@ -134,28 +134,13 @@ def _chunked_backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, ne
 # --------------------------------------------------------------------------- dispatch
 def served_by(t: torch.Tensor) -> str:
     """The path that serves a smooth-max call on tensors like ``t`` right now:
-    ``"triton"``, ``"torch-chunked"`` or ``"reference"``."""
-    if disabled():
-        return "reference"
-    forced = forced_backend()
-    if forced != "auto":
-        return forced
-    if t.is_cuda and _triton_available():
-        return "triton"
-    return "torch-chunked"
+    ``"triton"``, ``"torch-chunked"`` or ``"reference"`` (the core ops' dispatch rules)."""
+    from .dispatch import served_by as core_served_by
 
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return core_served_by(t)
 
 
 def _triton_module():
-    if not _triton_available():
-        raise RuntimeError("LIK_BACKEND=triton but triton is not installed")
     from .triton import smoothmax as tsm
 
     return tsm

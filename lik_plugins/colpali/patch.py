@@ -1,0 +1,252 @@
+"""``patch_colpali_engine()`` / ``unpatch_colpali_engine()`` for colpali-engine 0.3.10 - 0.3.18.
+
+Capture points (the generation is detected from the loaded modules, not the version
+string, so any release's files work, installed or loaded side by side):
+
+=====================================================  =========  =====================================
+target                                                 releases   replaced by
+=====================================================  =========  =====================================
+``BaseVisualRetrieverProcessor.score_multi_vector``    all        :func:`score_multi_vector` (static)
+``late_interaction_losses.<Head>.forward`` (5 heads)   all        a forward from :mod:`.heads`
+``ColbertModule._inbatch_scores``                      0.3.17+    :func:`.heads.inbatch_scores`
+``utils._lik_backend.maxsim_inbatch_lik`` / ``_kd_lik``  0.3.17+    :func:`maxsim_inbatch_lik` / ``_kd_lik``
+=====================================================  =========  =====================================
+
+Every patched entry reads ``LIK_DISABLE`` and ``COLPALI_SCORES_BACKEND`` on every call:
+``LIK_DISABLE=1`` or ``torch`` run colpali's original code, ``auto`` / ``lik`` run ours,
+any other value raises colpali's ValueError (also on releases older than the variable).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import threading
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from .._patching import PatchLedger
+from .._routing import record
+from .._config import disabled
+from . import _scores as sc
+from . import heads
+from .heads import Generation
+
+LOSSES = "colpali_engine.loss.late_interaction_losses"
+PROCESSING = "colpali_engine.utils.processing_utils"
+LIK_BACKEND = "colpali_engine.utils._lik_backend"
+
+_ledger = PatchLedger("colpali_engine")
+_lock = threading.Lock()
+_generation: Generation | None = None
+
+
+# --------------------------------------------------------------------------- detection
+def _sigmoid_sign(cls) -> float:
+    """0.3.13 computes ``softplus(S * mask)``, 0.3.14+ ``softplus(-S * mask)``: ask the
+    original head once on a 1x1 problem (S = 0.5) which one this release does."""
+    head = cls(temperature=1.0, normalize_scores=False)
+    with torch.no_grad():
+        out = cls.forward(head, torch.ones(1, 1, 1), torch.full((1, 1, 1), 0.5))
+    plus = torch.nn.functional.softplus(torch.tensor(0.5))
+    return 1.0 if torch.isclose(out, plus) else -1.0
+
+
+def detect_generation(losses) -> Generation:
+    legacy = not hasattr(losses, "ColbertModule")
+    sigmoid = getattr(losses, "ColbertSigmoidLoss", None)
+    dispatcher = hasattr(losses, "maxsim_kd") and hasattr(losses.ColbertModule, "_inbatch_scores")
+    sign = _sigmoid_sign(sigmoid) if sigmoid is not None else -1.0
+    if legacy:
+        name = "0.3.10"
+    elif sigmoid is None:
+        name = "0.3.11-0.3.12"
+    elif dispatcher:
+        name = "0.3.17+"
+    else:
+        name = "0.3.13" if sign > 0 else "0.3.14-0.3.16"
+    return Generation(name=name, legacy=legacy, neg_4d=sigmoid is not None, sigmoid_sign=sign, dispatcher=dispatcher)
+
+
+# --------------------------------------------------------------------------- wrappers
+def _forward_for(cls, impl, gen: Generation):
+    original = vars(cls)["forward"]
+    signature = inspect.signature(original)
+    entry = f"colpali.{cls.__name__}"
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)  # colpali's own TypeError on a bad call
+        if not sc.use_original():
+            bound.apply_defaults()
+            result = impl(self, bound.arguments, gen)
+            if result is not None:
+                loss, path = result
+                record(entry, path)
+                return loss
+        record(entry, "original")
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def _inbatch_scores_for(original):
+    @functools.wraps(original)
+    def _inbatch_scores(self, query_embeddings, doc_embeddings):
+        if not sc.use_original() and heads._ok_inbatch(self, query_embeddings, doc_embeddings):
+            scores, path = heads.inbatch_scores(self, query_embeddings, doc_embeddings)
+            record("colpali.ColbertModule._inbatch_scores", path)
+            return scores
+        record("colpali.ColbertModule._inbatch_scores", "original")
+        return original(self, query_embeddings, doc_embeddings)
+
+    return _inbatch_scores
+
+
+def _lik_slots(backend_module):
+    """Replacements for colpali's ``_lik_backend`` entry points (looked up at call time by
+    ``colpali_engine.utils.maxsim``, for ``auto`` and ``lik``): we serve every device our
+    ops serve, CPU included, whether or not late-interaction-kernels is installed, and
+    raise ``LIKUnsupportedError`` (silent fallback under ``auto``) where we do not."""
+    unsupported = backend_module.LIKUnsupportedError
+    orig_inbatch = backend_module.maxsim_inbatch_lik
+    orig_kd = backend_module.maxsim_kd_lik
+
+    def _check(query, doc, doc_dim):
+        if not (torch.is_tensor(query) and torch.is_tensor(doc) and query.dim() == 3 and doc.dim() == doc_dim):
+            raise unsupported(f"lik_plugins expects query [B, L, d] and a {doc_dim}-D doc tensor.")
+        if query.device != doc.device:
+            raise unsupported(f"query and doc are on different devices ({query.device} vs {doc.device}).")
+        if doc_dim == 4 and doc.size(0) != query.size(0):
+            raise unsupported("KD layout expects one candidate list per query.")
+        if not sc.eligible(query, doc):
+            raise unsupported("lik_plugins serves floating tensors of one dtype, non-empty, with equal dims.")
+
+    @functools.wraps(orig_inbatch)
+    def maxsim_inbatch_lik(query, doc):
+        if disabled():
+            record("colpali.maxsim_inbatch_lik", "original")
+            return orig_inbatch(query, doc)
+        _check(query, doc, 3)
+        scores, path = sc.inbatch(query, doc)
+        record("colpali.maxsim_inbatch_lik", path)
+        return scores
+
+    @functools.wraps(orig_kd)
+    def maxsim_kd_lik(query, doc):
+        if disabled():
+            record("colpali.maxsim_kd_lik", "original")
+            return orig_kd(query, doc)
+        _check(query, doc, 4)
+        scores, path = sc.candidates(query, doc)
+        record("colpali.maxsim_kd_lik", path)
+        return scores
+
+    return maxsim_inbatch_lik, maxsim_kd_lik
+
+
+def _score_multi_vector_for(processing, original):
+    """``score_multi_vector(qs, ps, batch_size=128, device=None)`` with colpali's semantics:
+    right zero-padding per chunk of ``batch_size`` (so results depend on ``batch_size``
+    exactly as colpali's do), no masks, ``[n_q, n_p]`` float32 on CPU."""
+
+    @functools.wraps(original)
+    def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
+        if sc.use_original():
+            record("colpali.score_multi_vector", "original")
+            return original(qs, ps, batch_size, device)
+        device = device or processing.get_torch_device("auto")
+        if len(qs) == 0:
+            raise ValueError("No queries provided")
+        if len(ps) == 0:
+            raise ValueError("No passages provided")
+        rows, path = [], None
+        for i in range(0, len(qs), batch_size):
+            q = pad_sequence(qs[i : i + batch_size], batch_first=True, padding_value=0).to(device)
+            row = []
+            for j in range(0, len(ps), batch_size):
+                p = pad_sequence(ps[j : j + batch_size], batch_first=True, padding_value=0).to(device)
+                if q.dim() != 3 or p.dim() != 3 or not sc.eligible(q, p):
+                    record("colpali.score_multi_vector", "original")
+                    return original(qs, ps, batch_size, device)
+                tile, path = sc.inbatch(q, p)
+                row.append(tile)
+            rows.append(torch.cat(row, dim=1).cpu())
+        scores = torch.cat(rows, dim=0)
+        assert scores.shape[0] == len(qs), f"Expected {len(qs)} scores, got {scores.shape[0]}"
+        record("colpali.score_multi_vector", path)
+        return scores.to(torch.float32)
+
+    return score_multi_vector
+
+
+# --------------------------------------------------------------------------- public
+def patch_colpali_engine() -> str:
+    """Route colpali-engine's scoring and every loss head through lik_plugins.
+
+    Works on every release from 0.3.10 to 0.3.18 (the generation is detected from the
+    loaded modules).  Patching twice is harmless; :func:`unpatch_colpali_engine` restores
+    every original object exactly (``score_multi_vector`` stays a ``staticmethod``).
+
+    After the call, ``LIK_DISABLE=1`` or ``COLPALI_SCORES_BACKEND=torch`` send every
+    patched entry back to colpali's own code (read at call time), and
+    :func:`lik_plugins.routing_counts` shows which path served each call under the entries
+    ``colpali.score_multi_vector``, ``colpali.<LossClass>``,
+    ``colpali.ColbertModule._inbatch_scores``, ``colpali.maxsim_inbatch_lik`` and
+    ``colpali.maxsim_kd_lik``.
+
+    Returns:
+        The detected loss generation: ``"0.3.10"``, ``"0.3.11-0.3.12"``, ``"0.3.13"``,
+        ``"0.3.14-0.3.16"`` or ``"0.3.17+"``.
+
+    Raises:
+        ImportError: colpali-engine is not importable.
+    """
+    global _generation
+    with _lock:
+        if _ledger.active and _generation is not None:
+            return _generation.name
+        losses = importlib.import_module(LOSSES)
+        processing = importlib.import_module(PROCESSING)
+        gen = detect_generation(losses)
+        try:
+            for name, (modern, legacy) in heads.HEADS.items():
+                cls = getattr(losses, name, None)
+                impl = legacy if gen.legacy else modern
+                if cls is None or impl is None or "forward" not in vars(cls):
+                    continue
+                _ledger.set_attr(cls, "forward", _forward_for(cls, impl, gen))
+            if gen.dispatcher:
+                module = losses.ColbertModule
+                _ledger.set_attr(module, "_inbatch_scores", _inbatch_scores_for(vars(module)["_inbatch_scores"]))
+                backend = importlib.import_module(LIK_BACKEND)
+                inbatch_lik, kd_lik = _lik_slots(backend)
+                _ledger.set_attr(backend, "maxsim_inbatch_lik", inbatch_lik)
+                _ledger.set_attr(backend, "maxsim_kd_lik", kd_lik)
+            base = processing.BaseVisualRetrieverProcessor
+            original = vars(base)["score_multi_vector"]
+            original_fn = original.__func__ if isinstance(original, staticmethod) else original
+            _ledger.set_attr(base, "score_multi_vector", staticmethod(_score_multi_vector_for(processing, original_fn)))
+        except BaseException:
+            _ledger.revert()
+            raise
+        _generation = gen
+        return gen.name
+
+
+def unpatch_colpali_engine() -> None:
+    """Restore every object :func:`patch_colpali_engine` replaced (no-op when not patched)."""
+    global _generation
+    with _lock:
+        _ledger.revert()
+        _generation = None
+
+
+def is_patched() -> bool:
+    return _ledger.active
+
+
+def patched_generation() -> str | None:
+    """The loss generation the active patch was built for, or ``None``."""
+    return None if _generation is None else _generation.name
