@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
+# Run on the device machine from the repo root:  bash benchmarks/run_gpu.sh [kernels|hosts|all] [--quick]
+# Peers and host libraries come from wheels in .whl/ (the machine has no network).
+# Results (JSON + Markdown + logs) go to $OUT (default: benchmarks/results/latest).
+set -uo pipefail
+stage=${1:-all}; shift || true
+OUT=${OUT:-benchmarks/results/latest}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/late_interaction_kernels-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peers \
+    .whl/late_interaction_kernels-*.whl .whl/flash_maxsim-*.whl || exit 1
+  export PYTHONPATH=/tmp/peers:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+
+if [[ $stage == kernels || $stage == all ]]; then
+  python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_calls.py > "$OUT/memcheck.log" 2>&1
+  tail -3 "$OUT/memcheck.log"
+  python3 benchmarks/bench_kernels.py "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -30
+fi

@@ -1,0 +1,139 @@
+"""GPU suite: the Triton kernels on a CUDA device at realistic sizes, against the fp64
+reference.  Skipped without CUDA; run by ``benchmarks/run_gpu.sh`` on an H100."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lik_plugins as lik
+from lik_plugins.kernels import chunked, reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# Relative tolerance of the max-norm error against fp64.  bf16/fp16 gradients are
+# written in the input dtype (one rounding) and bf16 one-hot products round g to bf16,
+# as the host's own bf16 backward does.
+TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1e-2, 4e-2)}
+
+
+def _rel(x, y):
+    return ((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-12)).item()
+
+
+def _inputs(nq, nj, lq, ld, d, dtype, kd, holes=True, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Q = torch.randn(nq, lq, d, device="cuda", dtype=dtype, generator=g)
+    shape = (nq, nj, ld, d) if kd else (nj, ld, d)
+    D = torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+    qm = dm = None
+    if holes:
+        qm = torch.rand(nq, lq, device="cuda", generator=g) > 0.2
+        dm = torch.rand(*shape[:-1], device="cuda", generator=g) > 0.2
+        dm.view(-1, ld)[0] = False          # a fully masked document
+        qm[0, 0] = False
+    return Q, D, qm, dm
+
+
+def _check(nq, nj, lq, ld, d, dtype, *, kd=False, mode="exclude", normalize=False, backward="lowmem", holes=True):
+    Q, D, qm, dm = _inputs(nq, nj, lq, ld, d, dtype, kd, holes)
+    Q.requires_grad_(); D.requires_grad_()
+    out = lik.maxsim(Q, D, qm, dm, mask_mode=mode, normalize=normalize, backward=backward)
+    grad = torch.randn_like(out)
+    gq, gd = torch.autograd.grad(out, (Q, D), grad)
+    # fp64 oracle on the chunked path (same spec as reference, bounded memory)
+    Q64, D64 = Q.detach().double(), D.detach().double()
+    ref, arg = chunked.forward(Q64, D64, qm, dm, cross=not kd, normalize=normalize,
+                               zero_mode=mode == "zero", save_argmax=True)
+    rq, rd = chunked.backward(grad.double(), Q64, D64, arg, cross=not kd, normalize=normalize, need_q=True, need_d=True)
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert out.dtype == torch.float32
+    assert _rel(out, ref) < fwd_tol
+    assert _rel(gq, rq) < bwd_tol
+    assert _rel(gd, rd) < bwd_tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["exclude", "zero"])
+@pytest.mark.parametrize("backward", ["lowmem", "unified"])
+def test_cross_realistic(dtype, mode, backward):
+    _check(64, 48, 32, 180, 128, dtype, mode=mode, backward=backward)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backward", ["lowmem", "unified"])
+def test_candidates_realistic(dtype, backward):
+    _check(32, 8, 32, 300, 128, dtype, kd=True, backward=backward, mode="zero")
+
+
+@pytest.mark.parametrize("shape", [(4, 6, 1, 1, 128), (3, 5, 300, 77, 96), (2, 3, 1030, 40, 128), (8, 8, 32, 50, 48),
+                                   (2, 3, 17, 33, 768), (5, 7, 32, 64, 120)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_odd_shapes(shape, normalize):
+    _check(*shape, torch.float32, normalize=normalize)
+    _check(*shape, torch.bfloat16, normalize=normalize)
+
+
+def test_long_query_colpali():
+    _check(4, 16, 1024, 1030, 128, torch.bfloat16, holes=False)
+
+
+def test_pairs_and_large_batch():
+    Q, D, qm, dm = _inputs(512, 1, 32, 256, 128, torch.bfloat16, kd=True)
+    out = lik.maxsim_pairs(Q, D[:, 0], qm, dm[:, 0])
+    ref = reference.maxsim_pairs(Q.double(), D[:, 0].double(), qm, dm[:, 0])
+    assert _rel(out, ref) < 1e-2
+
+
+def test_lowmem_is_bitwise_deterministic():
+    Q, D, qm, dm = _inputs(128, 128, 32, 256, 128, torch.bfloat16, kd=False)
+    grads = []
+    for _ in range(3):
+        q, d = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        out = lik.maxsim(q, d, qm, dm, backward="lowmem")
+        grads.append(torch.autograd.grad(out.sum(), (q, d)))
+    for gq, gd in grads[1:]:
+        assert torch.equal(gq, grads[0][0]) and torch.equal(gd, grads[0][1])
+
+
+def test_no_argmax_under_no_grad():
+    Q, D, qm, dm = _inputs(64, 64, 32, 256, 128, torch.bfloat16, kd=False)
+    Q.requires_grad_()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        out = lik.maxsim(Q, D, qm, dm)
+    assert out.grad_fn is None
+    assert torch.cuda.memory_allocated() - base <= out.numel() * 4 + 4096
+
+
+def test_cuda_graph_capture_forward_backward():
+    Q, D, qm, dm = _inputs(64, 64, 32, 180, 128, torch.bfloat16, kd=False)
+    Q.requires_grad_(); D.requires_grad_()
+    grad = torch.randn(64, 64, device="cuda")
+    for _ in range(2):  # warm: autotune + compile outside the capture
+        out = lik.maxsim(Q, D, qm, dm)
+        out.backward(grad)
+    Q.grad = D.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lik.maxsim(Q, D, qm, dm)
+        gq, gd = torch.autograd.grad(out, (Q, D), grad)
+    with torch.no_grad():
+        Q.copy_(torch.randn_like(Q)); D.copy_(torch.randn_like(D))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.maxsim(Q.detach().double(), D.detach().double(), qm, dm)
+    assert _rel(out, ref) < 1e-2
+    assert gq.abs().sum() > 0 and gd.abs().sum() > 0
+
+
+def test_non_finite_inputs_do_not_crash():
+    Q, D, qm, dm = _inputs(8, 8, 32, 64, 128, torch.bfloat16, kd=False, holes=False)
+    Q[0, 0, 0] = float("nan")
+    D[1, 3, 5] = float("inf")
+    out = lik.maxsim(Q, D, qm, dm)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[0]).all()
