@@ -1,0 +1,109 @@
+"""Zero-code activation: ``PYLATE_SCORES_BACKEND=lik python train.py`` trains on our kernels.
+
+The installed ``lik_plugins_autoactivate.pth`` runs one line at interpreter start.  That
+line imports nothing unless an environment variable ending in ``_SCORES_BACKEND`` is set
+to ``lik`` or ``auto``; only then does it import this module and call :func:`install`.
+
+:func:`install` does not import the host either: it puts a finder on ``sys.meta_path``
+that waits for the host's top-level module and runs the patch function right after
+that module finishes importing (or at once, if the host is already imported).
+
+One row per host: ``{env var: (host top-level module, adapter module, patch function)}``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+
+HOSTS: dict[str, tuple[str, str, str]] = {
+    "PYLATE_SCORES_BACKEND": ("pylate", "lik_plugins.pylate", "patch_pylate"),
+}
+
+#: Values of a host's variable that turn the patch on at interpreter start.
+ACTIVATING = ("lik", "auto")
+
+
+def wanted(environ=os.environ) -> list[tuple[str, str, str]]:
+    """The table rows whose variable asks for activation."""
+    return [row for var, row in HOSTS.items() if environ.get(var, "").strip().lower() in ACTIVATING]
+
+
+def _patch(adapter: str, function: str) -> None:
+    try:
+        getattr(importlib.import_module(adapter), function)()
+    except Exception as exc:  # never break the user's import of the host
+        import warnings
+
+        warnings.warn(f"lik_plugins: automatic {function}() failed: {exc!r}", RuntimeWarning, stacklevel=2)
+
+
+class _PatchAfterImport:
+    """A ``sys.meta_path`` finder: when a watched top-level module is imported, let the
+    other finders find it, then run its patch function right after it executes."""
+
+    def __init__(self, rows: dict[str, tuple[str, str]]) -> None:
+        self.rows = dict(rows)  # host module -> (adapter module, patch function)
+        self._busy = threading.local()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.rows or getattr(self._busy, "active", False):
+            return None
+        self._busy.active = True
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._busy.active = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        adapter, function = self.rows.pop(fullname)
+        if not self.rows:
+            self.remove()
+        spec.loader = _LoaderThenPatch(spec.loader, adapter, function)
+        return spec
+
+    def remove(self) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+
+class _LoaderThenPatch:
+    """Wraps the host's loader for one import; puts the real loader back before the
+    host's code runs, so nothing of ours stays visible on the module."""
+
+    def __init__(self, loader, adapter: str, function: str) -> None:
+        self._loader, self._adapter, self._function = loader, adapter, function
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _patch(self._adapter, self._function)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def install(environ=os.environ) -> None:
+    """Arrange for every host whose variable is ``lik``/``auto`` to be patched on import."""
+    pending: dict[str, tuple[str, str]] = {}
+    for host, adapter, function in wanted(environ):
+        if host in sys.modules:
+            _patch(adapter, function)
+        else:
+            pending[host] = (adapter, function)
+    if pending:
+        sys.meta_path.insert(0, _PatchAfterImport(pending))

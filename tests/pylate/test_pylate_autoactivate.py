@@ -1,0 +1,111 @@
+"""Zero-code activation through the installed ``lik_plugins_autoactivate.pth``."""
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from lik_plugins import _autoactivate
+
+HERE = Path(__file__).resolve().parent
+
+
+def _site_dirs():
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
+    return [Path(d) for d in (*dirs, user) if d]
+
+
+def _run(code: str, **env) -> dict:
+    environ = {k: v for k, v in os.environ.items() if not k.endswith("_SCORES_BACKEND") and k != "LIK_DISABLE"}
+    environ.update(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(HERE))
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_pth_is_installed():
+    found = [d / "lik_plugins_autoactivate.pth" for d in _site_dirs() if (d / "lik_plugins_autoactivate.pth").exists()]
+    assert found, "lik_plugins_autoactivate.pth is not in site-packages: reinstall the package (pip install -e .)"
+
+
+STARTUP = """
+import json, sys
+print(json.dumps({m: m in sys.modules for m in ("lik_plugins", "lik_plugins._autoactivate", "torch", "pylate")}))
+"""
+
+
+@pytest.mark.parametrize("value", [None, "torch", "flash", "bogus"])
+def test_nothing_imported_at_startup_unless_asked(value):
+    env = {} if value is None else {"PYLATE_SCORES_BACKEND": value}
+    assert _run(STARTUP, **env) == {"lik_plugins": False, "lik_plugins._autoactivate": False, "torch": False, "pylate": False}
+
+
+def test_activation_waits_for_the_host_import():
+    got = _run(STARTUP, PYLATE_SCORES_BACKEND="lik")
+    assert got == {"lik_plugins": True, "lik_plugins._autoactivate": True, "torch": False, "pylate": False}
+
+
+TRAIN = """
+import json, os, tempfile
+import pylate_tiny as tiny   # builds a tiny offline ColBERT; never imports lik_plugins
+with tempfile.TemporaryDirectory() as tmp:
+    encoder = tiny.save_tiny_encoder(os.path.join(tmp, "enc"))
+    model = tiny.load_colbert(encoder)
+    losses = tiny.train(model, tiny.make_loss("contrastive", model), "contrastive", os.path.join(tmp, "w"))
+import sys
+counts = sys.modules["lik_plugins"].routing_counts() if "lik_plugins" in sys.modules else {}
+print(json.dumps({"losses": losses, "counts": counts}))
+"""
+
+
+def test_zero_code_training_is_routed_and_matches():
+    patched = _run(TRAIN, PYLATE_SCORES_BACKEND="lik")
+    vanilla = _run(TRAIN)
+    assert vanilla["counts"] == {}
+    assert patched["counts"]["pylate.ColBERTScores"] == {"torch-chunked": 2}
+    assert patched["losses"] == pytest.approx(vanilla["losses"], abs=1e-5)
+
+
+# ------------------------------------------------------- the post-import hook, in process
+
+
+def test_post_import_hook_patches_once_after_the_host_executed(tmp_path, monkeypatch):
+    host = tmp_path / "lik_fake_host_mod.py"
+    host.write_text("EXECUTED = True\n")
+    adapter = types.ModuleType("lik_fake_adapter")
+    calls = []
+
+    def patch_fake():
+        calls.append(sys.modules["lik_fake_host_mod"].EXECUTED)
+
+    adapter.patch_fake = patch_fake
+    monkeypatch.setitem(sys.modules, "lik_fake_adapter", adapter)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(_autoactivate.HOSTS, "LIK_FAKE_SCORES_BACKEND", ("lik_fake_host_mod", "lik_fake_adapter", "patch_fake"))
+    before = list(sys.meta_path)
+    _autoactivate.install({"LIK_FAKE_SCORES_BACKEND": "LIK"})
+    try:
+        assert calls == []
+        import lik_fake_host_mod
+
+        assert calls == [True]
+        assert "_LoaderThenPatch" not in type(lik_fake_host_mod.__loader__).__name__
+        assert sys.meta_path == before  # the finder removed itself
+        # already imported: patched at once
+        _autoactivate.install({"LIK_FAKE_SCORES_BACKEND": "auto"})
+        assert calls == [True, True]
+        _autoactivate.install({"LIK_FAKE_SCORES_BACKEND": "torch"})
+        assert calls == [True, True]
+    finally:
+        sys.meta_path[:] = before
+        sys.modules.pop("lik_fake_host_mod", None)
