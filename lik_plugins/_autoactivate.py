@@ -19,6 +19,7 @@ import threading
 
 HOSTS: dict[str, tuple[str, str, str]] = {
     "PYLATE_SCORES_BACKEND": ("pylate", "lik_plugins.pylate", "patch_pylate"),
+    "COLPALI_SCORES_BACKEND": ("colpali_engine", "lik_plugins.colpali", "patch_colpali_engine"),
 }
 
 #: Values of a host's variable that turn the patch on at interpreter start.
