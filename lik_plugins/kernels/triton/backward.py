@@ -37,13 +37,16 @@ def maxsim_bwd_gather_kernel(
     s_rdi, s_rdj,
     s_gdi, s_gdj,
     NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
 ):
+    # BLOCK_J documents per step: BLOCK_J * BLOCK_S independent row gathers in flight,
+    # instead of one dependent (argmax -> row) load chain per document.
     pid = tl.program_id(0)
     n_sb = tl.cdiv(lq, BLOCK_S)
     i_q = (pid // n_sb).to(tl.int64)
     o_s = (pid % n_sb) * BLOCK_S + tl.arange(0, BLOCK_S)
     o_h = tl.arange(0, D_PAD)
+    o_j = tl.arange(0, BLOCK_J)
     m_s = o_s < lq
     m_h = o_h < dim
     m_sh = m_s[:, None] & m_h[None, :]
@@ -59,22 +62,27 @@ def maxsim_bwd_gather_kernel(
             b_qs = b_q * b_rq[:, None]                                                 # q_hat
 
     b_acc = tl.zeros([BLOCK_S, D_PAD], tl.float32)
-    p_arg = ARG + (i_q * n_j) * lq + o_s
-    for j in range(0, n_j):
-        b_g = tl.load(G + i_q * s_gi + j * s_gj)
-        b_a = tl.load(p_arg + j * lq, mask=m_s, other=-1).to(tl.int32)                # [BS]
+    for j0 in range(0, n_j, BLOCK_J):
+        o_jj = j0 + o_j                                                                # [BJ]
+        m_j = o_jj < n_j
+        b_g = tl.load(G + i_q * s_gi + o_jj * s_gj, mask=m_j, other=0.0)               # [BJ]
+        p_arg = ARG + (i_q * n_j + o_jj[:, None]) * lq + o_s[None, :]
+        b_a = tl.load(p_arg, mask=m_j[:, None] & m_s[None, :], other=-1).to(tl.int32)  # [BJ, BS]
         m_a = b_a >= 0
-        m_ah = m_a[:, None] & m_h[None, :]
+        m_ah = m_a[:, :, None] & m_h[None, None, :]
+        p_doc = i_q * s_di + o_jj.to(tl.int64) * s_dj                                  # [BJ]
         if NEED_Q:
-            p_d = D + i_q * s_di + j * s_dj
-            b_d = tl.load(p_d + b_a[:, None] * s_dt + o_h[None, :] * s_dh, mask=m_ah, other=0.0).to(tl.float32)
-            b_w = tl.where(m_a, b_g, 0.0)
+            p_d = D + p_doc[:, None, None] + b_a[:, :, None] * s_dt + o_h[None, None, :] * s_dh
+            b_d = tl.load(p_d, mask=m_ah, other=0.0).to(tl.float32)                     # [BJ, BS, DP]
+            b_w = tl.where(m_a, b_g[:, None], 0.0)                                     # [BJ, BS]
             if NORMALIZE:
-                b_w = b_w * tl.load(RD + i_q * s_rdi + j * s_rdj + b_a, mask=m_a, other=0.0)
-            b_acc += b_d * b_w[:, None]
+                p_rd = RD + i_q * s_rdi + o_jj[:, None].to(tl.int64) * s_rdj + b_a
+                b_w = b_w * tl.load(p_rd, mask=m_a, other=0.0)
+            b_acc += tl.sum(b_d * b_w[:, :, None], axis=0)
         if SCATTER_D:
-            p_gd = GD32 + i_q * s_gdi + j * s_gdj + b_a[:, None] * dim + o_h[None, :]
-            tl.atomic_add(p_gd, b_qs * b_g, mask=m_ah)
+            p_gd = GD32 + i_q * s_gdi + o_jj[:, None, None].to(tl.int64) * s_gdj \
+                + b_a[:, :, None] * dim + o_h[None, None, :]
+            tl.atomic_add(p_gd, b_qs[None, :, :] * b_g[:, None, None], mask=m_ah)
 
     if NEED_Q:
         if NORMALIZE:

@@ -136,6 +136,8 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
         gd32.zero_()
     if need_q or scatter:
         block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
+        # ~64 gathered rows per step (fewer for wide embeddings: registers)
+        block_j = max(1, min(next_pow2(nj), max(1, 8192 // (block_s * d_pad))))
         grid = (nq * triton.cdiv(lq, block_s),)
         maxsim_bwd_gather_kernel[grid](
             grad, Q, D, rq, rd, argmax, grad_q if grad_q is not None else placeholder,
@@ -147,7 +149,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
             s_rdi, s_rdj,
             0 if cross else nj * ld * dim, ld * dim,
             NEED_Q=need_q, SCATTER_D=scatter, NORMALIZE=bool(normalize),
-            BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
+            BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
         )
     if scatter:
         if normalize:
