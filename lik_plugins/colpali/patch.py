@@ -45,8 +45,9 @@ _generation: Generation | None = None
 # --------------------------------------------------------------------------- detection
 def _sigmoid_sign(cls) -> float:
     """0.3.13 computes ``softplus(S * mask)``, 0.3.14+ ``softplus(-S * mask)``: ask the
-    original head once on a 1x1 problem (S = 0.5) which one this release does."""
-    head = cls(temperature=1.0, normalize_scores=False)
+    original head once on a 1x1 problem (S = 0.5) which one this release does.  Smooth max
+    (exact on one token) keeps the probe off colpali's backend dispatcher."""
+    head = cls(temperature=1.0, normalize_scores=False, use_smooth_max=True)
     with torch.no_grad():
         out = cls.forward(head, torch.ones(1, 1, 1), torch.full((1, 1, 1), 0.5))
     plus = torch.nn.functional.softplus(torch.tensor(0.5))
