@@ -36,13 +36,18 @@ def maxsim_bwd_gather_kernel(
     s_di, s_dj, s_dt, s_dh,
     s_rdi, s_rdj,
     s_gdi, s_gdj,
-    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr,
+    n_split, j_per_split,
+    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, PARTIAL: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
 ):
     # BLOCK_J documents per step: BLOCK_J * BLOCK_S independent row gathers in flight,
-    # instead of one dependent (argmax -> row) load chain per document.
+    # instead of one dependent (argmax -> row) load chain per document.  Few queries
+    # (rerank) split their documents over ``n_split`` programs; fp32 partials (PARTIAL)
+    # are then summed on the host in a fixed order, so grad_Q stays deterministic.
     pid = tl.program_id(0)
     n_sb = tl.cdiv(lq, BLOCK_S)
+    i_split = pid % n_split
+    pid = pid // n_split
     i_q = (pid // n_sb).to(tl.int64)
     o_s = (pid % n_sb) * BLOCK_S + tl.arange(0, BLOCK_S)
     o_h = tl.arange(0, D_PAD)
@@ -62,9 +67,11 @@ def maxsim_bwd_gather_kernel(
             b_qs = b_q * b_rq[:, None]                                                 # q_hat
 
     b_acc = tl.zeros([BLOCK_S, D_PAD], tl.float32)
-    for j0 in range(0, n_j, BLOCK_J):
+    j_lo = i_split * j_per_split
+    j_hi = tl.minimum(j_lo + j_per_split, n_j)
+    for j0 in range(j_lo, j_hi, BLOCK_J):
         o_jj = j0 + o_j                                                                # [BJ]
-        m_j = o_jj < n_j
+        m_j = o_jj < j_hi
         b_g = tl.load(G + i_q * s_gi + o_jj * s_gj, mask=m_j, other=0.0)               # [BJ]
         p_arg = ARG + (i_q * n_j + o_jj[:, None]) * lq + o_s[None, :]
         b_a = tl.load(p_arg, mask=m_j[:, None] & m_s[None, :], other=-1).to(tl.int32)  # [BJ, BS]
@@ -85,10 +92,14 @@ def maxsim_bwd_gather_kernel(
             tl.atomic_add(p_gd, b_qs[None, :, :] * b_g[:, None, None], mask=m_ah)
 
     if NEED_Q:
-        if NORMALIZE:
-            b_acc = _project(b_acc, b_q, b_rq)
-        p_gq = GQ + i_q * lq * dim + o_s[:, None] * dim + o_h[None, :]
-        tl.store(p_gq, b_acc.to(GQ.dtype.element_ty), mask=m_sh)
+        if PARTIAL:
+            p_gq = GQ + ((i_split * n_q + i_q) * lq + o_s[:, None]) * dim + o_h[None, :]
+            tl.store(p_gq, b_acc, mask=m_sh)
+        else:
+            if NORMALIZE:
+                b_acc = _project(b_acc, b_q, b_rq)
+            p_gq = GQ + i_q * lq * dim + o_s[:, None] * dim + o_h[None, :]
+            tl.store(p_gq, b_acc.to(GQ.dtype.element_ty), mask=m_sh)
 
 
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])

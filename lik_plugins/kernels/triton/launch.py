@@ -10,14 +10,17 @@ import torch
 import triton
 
 from ..common import inverse_norms
-from .backward import maxsim_bwd_doc_kernel, maxsim_bwd_gather_kernel, project_rows_kernel
+from .backward import maxsim_bwd_gather_kernel, project_rows_kernel
 from .forward import maxsim_fwd_kernel
-from .tuning import forward_kernel_and_meta, interpreting, next_pow2
+from .tuning import doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
 
 # Lq above this is split into row chunks of this many tokens (exact: partial sums).
 MAX_ROWS_PER_Q = 128
 # Rows per program the forward aims for: 128 rows fill a Hopper warpgroup MMA twice over.
 TARGET_BLOCK_M = 128
+# The gather backward splits each query's documents until about this many programs run
+# (two waves of an H100's 132 SMs); larger batches need no split.
+GATHER_TARGET_PROGRAMS = 264
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -101,6 +104,19 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     return out, argmax
 
 
+def _project_into(g32, X, inv_norm, out):
+    """out = normalisation Jacobian of X applied to the fp32 rows g32 (one fused pass)."""
+    dim = X.shape[-1]
+    rows = g32.numel() // dim
+    d_pad = max(16, next_pow2(dim))
+    block_r = max(1, min(64, 8192 // d_pad))
+    x_rows = X.reshape(rows, dim)
+    project_rows_kernel[(triton.cdiv(rows, block_r),)](
+        g32, x_rows, inv_norm.reshape(-1), out, rows, dim, x_rows.stride(0), x_rows.stride(1),
+        BLOCK_R=block_r, D_PAD=d_pad,
+    )
+
+
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
     """``strategy``: ``"lowmem"`` (destination-owned grad_D, deterministic, no fp32 buffer)
     or ``"unified"`` (gather + atomic scatter in one pass over the argmax)."""
@@ -138,9 +154,17 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
         block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
         # ~64 gathered rows per step (fewer for wide embeddings: registers)
         block_j = max(1, min(next_pow2(nj), max(1, 8192 // (block_s * d_pad))))
-        grid = (nq * triton.cdiv(lq, block_s),)
-        maxsim_bwd_gather_kernel[grid](
-            grad, Q, D, rq, rd, argmax, grad_q if grad_q is not None else placeholder,
+        base_programs = nq * triton.cdiv(lq, block_s)
+        j_steps = triton.cdiv(nj, block_j)
+        n_split = max(1, min(j_steps, GATHER_TARGET_PROGRAMS // base_programs))
+        j_per_split = triton.cdiv(j_steps, n_split) * block_j
+        n_split = triton.cdiv(nj, j_per_split)
+        partial = need_q and n_split > 1
+        gq_out = grad_q
+        if partial:
+            gq_out = torch.empty((n_split, nq, lq, dim), dtype=torch.float32, device=device)
+        maxsim_bwd_gather_kernel[(base_programs * n_split,)](
+            grad, Q, D, rq, rd, argmax, gq_out if gq_out is not None else placeholder,
             gd32 if gd32 is not None else placeholder,
             nq, nj, lq, ld, dim,
             grad.stride(0), grad.stride(1),
@@ -148,35 +172,34 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
             s_di, s_dj, s_dt, s_dh,
             s_rdi, s_rdj,
             0 if cross else nj * ld * dim, ld * dim,
-            NEED_Q=need_q, SCATTER_D=scatter, NORMALIZE=bool(normalize),
+            n_split, j_per_split,
+            NEED_Q=need_q, SCATTER_D=scatter, NORMALIZE=bool(normalize), PARTIAL=partial,
             BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
         )
+        if partial:
+            summed = gq_out.sum(0)
+            if normalize:
+                _project_into(summed, Q, rq, grad_q)
+            else:
+                grad_q.copy_(summed)
     if scatter:
         if normalize:
-            rows = gd32.numel() // dim
-            block_r = max(1, min(64, 8192 // d_pad))
-            d_rows = D.reshape(rows, dim)
-            project_rows_kernel[(triton.cdiv(rows, block_r),)](
-                gd32, d_rows, rd.reshape(-1), grad_d, rows, dim, d_rows.stride(0), d_rows.stride(1),
-                BLOCK_R=block_r, D_PAD=d_pad,
-            )
+            _project_into(gd32, D, rd, grad_d)
         elif gd32 is not grad_d:
             grad_d.copy_(gd32)
     elif need_d:
-        block_t = 64 if d_pad <= 128 else (32 if d_pad <= 256 else 16)
-        block_r = 32 if d_pad <= 256 else 16
-        f32_dot = Q.dtype != torch.bfloat16
-        grid = ((nj if cross else nq * nj) * triton.cdiv(ld, block_t),)
-        maxsim_bwd_doc_kernel[grid](
+        n_docs = nj if cross else nq * nj
+        kernel, meta = doc_kernel_and_meta(d_pad=d_pad, n_programs_at_64=n_docs * triton.cdiv(ld, 64))
+        kernel[lambda m: (n_docs * triton.cdiv(ld, m["BLOCK_T"]),)](
             grad, Q, D, rq, rd, argmax, grad_d,
             nq, nj, lq, ld, dim,
             grad.stride(0), grad.stride(1),
             Q.stride(0), Q.stride(1), Q.stride(2),
             s_di, s_dj, s_dt, s_dh,
             s_rdi, s_rdj,
-            CROSS=cross, NORMALIZE=bool(normalize), F32_DOT=f32_dot,
+            CROSS=cross, NORMALIZE=bool(normalize), F32_DOT=Q.dtype != torch.bfloat16,
             PRECISION=_precision(Q.dtype) if Q.dtype == torch.float32 else "tf32",
             UPCAST=interpreting() and Q.dtype == torch.bfloat16,
-            BLOCK_T=block_t, BLOCK_R=block_r, D_PAD=d_pad, num_warps=4,
+            D_PAD=d_pad, **meta,
         )
     return grad_q, grad_d
