@@ -65,8 +65,23 @@ def main():
         res.append(row)
         del Q, D, Qg, Dg
         torch.cuda.empty_cache()
+    tuned = tuned_configs()
+    print(json.dumps(tuned, indent=1))
     if len(sys.argv) > 1:
-        json.dump(res, open(sys.argv[1], "w"), indent=1)
+        json.dump({"parts": res, "tuned": tuned}, open(sys.argv[1], "w"), indent=1)
+
+
+
+
+def tuned_configs():
+    """What the autotuners picked, per key (feeds a fixed heuristic table)."""
+    from lik_plugins.kernels.triton import tuning
+
+    out = {}
+    for name in ("_tuned_forward", "_tuned_doc"):
+        tuner = getattr(tuning, name)
+        out[name] = {str(k): str(v) for k, v in tuner.cache.items()}
+    return out
 
 
 if __name__ == "__main__":

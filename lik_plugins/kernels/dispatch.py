@@ -24,14 +24,18 @@ def triton_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def _triton_serves(t: torch.Tensor) -> tuple[bool, str]:
     if not triton_available():
         return False, "triton is not installed"
     if t.dtype not in KERNEL_DTYPES:
         return False, f"the Triton kernels take fp16/bf16/fp32, got {t.dtype}"
     if t.is_cuda:
-        major, _ = torch.cuda.get_device_capability(t.device)
-        if major < 8:
+        if _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) < 8:
             return False, "the Triton kernels need compute capability 8.0 or newer"
         return True, ""
     if t.device.type == "cpu" and triton_interpret():

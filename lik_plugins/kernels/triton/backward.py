@@ -89,7 +89,7 @@ def maxsim_bwd_gather_kernel(
         if SCATTER_D:
             p_gd = GD32 + i_q * s_gdi + o_jj[:, None, None].to(tl.int64) * s_gdj \
                 + b_a[:, :, None] * dim + o_h[None, None, :]
-            tl.atomic_add(p_gd, b_qs[None, :, :] * b_g[:, None, None], mask=m_ah)
+            tl.atomic_add(p_gd, b_qs[None, :, :] * b_g[:, None, None], mask=m_ah, sem="relaxed")  # fire-and-forget red
 
     if NEED_Q:
         if PARTIAL:

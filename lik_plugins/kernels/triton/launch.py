@@ -29,9 +29,21 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device, dtype) -> torch.Tensor:
+    """A 1-element stand-in for an absent optional tensor (never read: its flag is off).
+    Cached per device so the hot path allocates nothing for it."""
+    key = (device, dtype)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _PLACEHOLDERS[key]
+
+
 def _mask_bytes(mask: torch.Tensor | None, device) -> torch.Tensor:
     if mask is None:
-        return torch.empty(1, dtype=torch.uint8, device=device)
+        return _placeholder(device, torch.uint8)
     return mask.view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
 
 
@@ -68,7 +80,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
 
     qm = _mask_bytes(q_mask, device)
     dm = _mask_bytes(d_mask, device)
-    placeholder = torch.empty(1, dtype=torch.float32, device=device)
+    placeholder = _placeholder(device, torch.float32)
     rq = inverse_norms(Q) if normalize else placeholder
     rd = inverse_norms(D) if normalize else placeholder
     if cross:
@@ -129,7 +141,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
         s_di, s_dj, s_dt, s_dh = D.stride()
     device = Q.device
     grad = grad.to(torch.float32)
-    placeholder = torch.empty(1, dtype=torch.float32, device=device)
+    placeholder = _placeholder(device, torch.float32)
     rq = inverse_norms(Q) if normalize else placeholder
     rd = inverse_norms(D) if normalize else placeholder
     s_rdi, s_rdj = ((0, rd.stride(0)) if cross else (rd.stride(0), rd.stride(1))) if normalize else (0, 0)
