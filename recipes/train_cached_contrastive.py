@@ -1,0 +1,34 @@
+"""Train a ColBERT model with PyLate's ``CachedContrastive`` loss (large batches, GradCache).
+
+The batch is scored in query chunks and the encoder runs in mini-batches, so the batch
+size is bounded by the scoring memory -- which ``lik_plugins`` shrinks.  Offline CPU
+default as in ``train_contrastive.py``; on a GPU pass ``--model`` and a real
+``--batch-size`` (e.g. 1024 with ``--mini-batch-size 64``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+
+def build(args, model, train_pairs):
+    from datasets import Dataset
+    from pylate import losses
+
+    rows = _common.with_hard_negatives(train_pairs, seed=args.seed)
+    dataset = Dataset.from_dict(
+        {"query": [r["query"] for r in rows], "positive": [r["passage"] for r in rows], "negative": [r["negative"] for r in rows]}
+    )
+    return losses.CachedContrastive(model=model, mini_batch_size=args.mini_batch_size), dataset
+
+
+def extra(p):
+    p.add_argument("--mini-batch-size", type=int, default=8, help="encoder mini-batch (and query chunk) size")
+
+
+if __name__ == "__main__":
+    _common.main(__doc__.splitlines()[0], build, batch_size=32, steps=6, lr=5e-5, extra=extra)
