@@ -27,8 +27,8 @@ def build(args, model, train_pairs):
 
 
 def extra(p):
-    p.add_argument("--mini-batch-size", type=int, default=8, help="encoder mini-batch (and query chunk) size")
+    p.add_argument("--mini-batch-size", type=int, default=4, help="encoder mini-batch (and query chunk) size")
 
 
 if __name__ == "__main__":
-    _common.main(__doc__.splitlines()[0], build, batch_size=32, steps=6, lr=5e-5, extra=extra)
+    _common.main(__doc__.splitlines()[0], build, batch_size=16, steps=6, lr=5e-5, extra=extra)
