@@ -10,9 +10,9 @@ import torch
 import triton
 
 from ..common import inverse_norms
-from .backward import maxsim_bwd_gather_kernel, project_rows_kernel
+from .backward import maxsim_bwd_doc_kernel, maxsim_bwd_gather_kernel, project_rows_kernel
 from .forward import maxsim_fwd_kernel
-from .tuning import doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
+from .tuning import doc_kernel_meta, forward_kernel_and_meta, interpreting, next_pow2
 
 # Lq above this is split into row chunks of this many tokens (exact: partial sums).
 MAX_ROWS_PER_Q = 128
@@ -27,6 +27,11 @@ def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs must not be silently computed at reduced precision: three TF32 passes
     # give ~fp32 accuracy on the tensor cores.  (fp16/bf16 ignore the setting.)
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _cdiv(a: int, b: int) -> int:
+    # not triton.cdiv: that is a JIT function, and calling it from the host costs ~10 us
+    return -(-a // b)
 
 
 _PLACEHOLDERS: dict = {}
@@ -56,7 +61,7 @@ def row_blocking(lq: int, nq: int, cross: bool) -> tuple[int, int, int]:
     else:
         qpb = 1  # each query has its own candidates: nothing to share
     rows = max(rows, 16 // qpb)
-    return rows, qpb, triton.cdiv(max(lq, 1), rows)
+    return rows, qpb, _cdiv(max(lq, 1), rows)
 
 
 def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
@@ -69,7 +74,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
         s_di, s_dj, s_dt, s_dh = D.stride()
     device = Q.device
     rows, qpb, n_chunks = row_blocking(lq, nq, cross)
-    n_qblocks = triton.cdiv(nq, qpb)
+    n_qblocks = _cdiv(nq, qpb)
     scores = torch.empty((n_chunks, nq, nj), dtype=torch.float32, device=device)
     argmax = None
     if save_argmax:
@@ -92,7 +97,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     s_qmi, s_qms = qm.stride() if q_mask is not None else (0, 0)
 
     d_pad = max(16, next_pow2(dim))
-    kernel, meta = forward_kernel_and_meta(
+    kernel, meta, after_launch = forward_kernel_and_meta(
         rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=Q.dtype, n_programs=nj * n_qblocks * n_chunks,
         save_arg=save_argmax,
     )
@@ -112,6 +117,8 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype),
         **meta,
     )
+    if after_launch is not None:
+        after_launch()
     out = scores[0] if n_chunks == 1 else scores.sum(0)
     return out, argmax
 
@@ -123,7 +130,7 @@ def _project_into(g32, X, inv_norm, out):
     d_pad = max(16, next_pow2(dim))
     block_r = max(1, min(64, 8192 // d_pad))
     x_rows = X.reshape(rows, dim)
-    project_rows_kernel[(triton.cdiv(rows, block_r),)](
+    project_rows_kernel[(_cdiv(rows, block_r),)](
         g32, x_rows, inv_norm.reshape(-1), out, rows, dim, x_rows.stride(0), x_rows.stride(1),
         BLOCK_R=block_r, D_PAD=d_pad,
     )
@@ -166,11 +173,11 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
         block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
         # ~64 gathered rows per step (fewer for wide embeddings: registers)
         block_j = max(1, min(next_pow2(nj), max(1, 8192 // (block_s * d_pad))))
-        base_programs = nq * triton.cdiv(lq, block_s)
-        j_steps = triton.cdiv(nj, block_j)
+        base_programs = nq * _cdiv(lq, block_s)
+        j_steps = _cdiv(nj, block_j)
         n_split = max(1, min(j_steps, GATHER_TARGET_PROGRAMS // base_programs))
-        j_per_split = triton.cdiv(j_steps, n_split) * block_j
-        n_split = triton.cdiv(nj, j_per_split)
+        j_per_split = _cdiv(j_steps, n_split) * block_j
+        n_split = _cdiv(nj, j_per_split)
         partial = need_q and n_split > 1
         gq_out = grad_q
         if partial:
@@ -201,8 +208,8 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
             grad_d.copy_(gd32)
     elif need_d:
         n_docs = nj if cross else nq * nj
-        kernel, meta = doc_kernel_and_meta(d_pad=d_pad, n_programs_at_64=n_docs * triton.cdiv(ld, 64))
-        kernel[lambda m: (n_docs * triton.cdiv(ld, m["BLOCK_T"]),)](
+        meta = doc_kernel_meta(d_pad=d_pad, ld=ld, lq=lq, cross=cross)
+        maxsim_bwd_doc_kernel[(n_docs * _cdiv(ld, meta["BLOCK_T"]),)](
             grad, Q, D, rq, rd, argmax, grad_d,
             nq, nj, lq, ld, dim,
             grad.stride(0), grad.stride(1),
