@@ -1,0 +1,179 @@
+"""Shared helpers for the core-op tests (``tests/kernels``, ``tests/ops``).
+
+Every numeric check runs the public op on fresh random inputs (masks with holes, a fully
+masked query, a fully masked document, a document whose similarities with one valid
+query token are all negative) and compares scores *and* gradients against the float64
+reference :mod:`lik_plugins.kernels.reference`, autograd by torch.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+import lik_plugins as lik
+from lik_plugins.kernels import reference
+
+LAYOUTS = ("cross", "kd", "pairs")
+MASK_MODES = ("exclude", "zero")
+
+# Relative max-norm error against the float64 reference: (scores, gradients).
+# bf16 gradients are written in bf16 (one rounding, 2**-8 relative), fp32 is near exact.
+TOL = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (1e-3, 4e-3),
+    torch.bfloat16: (1e-4, 1.5e-2),
+}
+
+
+def seed_of(nodeid: str) -> int:
+    """A per-test seed: fresh inputs for every test, reproducible across runs."""
+    return zlib.crc32(nodeid.encode())
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def doc_shape(layout: str, nq: int, nj: int, ld: int, d: int) -> tuple[int, ...]:
+    if layout == "cross":
+        return (nj, ld, d)
+    if layout == "kd":
+        return (nq, nj, ld, d)
+    if layout == "pairs":
+        return (nq, ld, d)
+    raise ValueError(layout)
+
+
+def out_shape(layout: str, nq: int, nj: int) -> tuple[int, ...]:
+    return (nq,) if layout == "pairs" else (nq, nj)
+
+
+def make_inputs(gen, layout, nq, nj, lq, ld, d, dtype=torch.float32, *, masks=True, special_rows=True):
+    """Random ``Q``, ``D`` (and masks with holes) for a layout.
+
+    With ``special_rows`` (and enough rows): the last query is fully masked, the last
+    document row is fully masked, and document row 0 is built so that query 0's token 0
+    has only negative similarities with it (and it has a masked token), which separates
+    ``mask_mode="zero"`` from ``"exclude"``.
+    """
+    Q = torch.randn(nq, lq, d, generator=gen)
+    D = torch.randn(*doc_shape(layout, nq, nj, ld, d), generator=gen)
+    rows = D.view(-1, ld, d) if ld and d else None
+    n_rows = D.numel() // max(ld * d, 1) if ld and d else 0
+    if special_rows and rows is not None and nq and lq and n_rows:
+        # doc row 0 is seen by query 0 in every layout (cross: all queries; kd: (0, 0); pairs: 0)
+        q0 = Q[0, 0]
+        u = torch.rand(ld, generator=gen) + 0.5
+        rows[0] = -u[:, None] * q0[None, :] + 0.05 * torch.randn(ld, d, generator=gen)
+    qm = dm = None
+    if masks:
+        qm = torch.rand(nq, lq, generator=gen) > 0.25
+        dm = torch.rand(*D.shape[:-1], generator=gen) > 0.3
+        if special_rows and nq and lq:
+            qm[0, 0] = True
+            if nq >= 2:
+                qm[-1] = False
+        dm_rows = dm.view(-1, ld) if ld else None
+        if special_rows and dm_rows is not None and n_rows:
+            dm_rows[0, 0] = True
+            if ld >= 2:
+                dm_rows[0, ld // 2] = False
+            if n_rows >= 2:
+                dm_rows[-1] = False
+    return Q.to(dtype), D.to(dtype), qm, dm
+
+
+def op(layout):
+    return lik.maxsim_pairs if layout == "pairs" else lik.maxsim
+
+
+def ref_op(layout):
+    return reference.maxsim_pairs if layout == "pairs" else reference.maxsim
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    err = (x.double() - ref.double()).abs().max()
+    return (err / ref.double().abs().max().clamp_min(1e-6)).item()
+
+
+def reference_run(layout, Q, D, qm, dm, grad_out, *, normalize, mask_mode, need_q=True, need_d=True):
+    """float64 reference scores and gradients (autograd by torch)."""
+    Q64 = Q.detach().double().requires_grad_(need_q)
+    D64 = D.detach().double().requires_grad_(need_d)
+    out = ref_op(layout)(Q64, D64, qm, dm, normalize=normalize, mask_mode=mask_mode)
+    wrt = [t for t in (Q64, D64) if t.requires_grad]
+    grads = torch.autograd.grad(out, wrt, grad_out.double()) if wrt and out.numel() else [torch.zeros_like(t) for t in wrt]
+    grads = list(grads)
+    gq = grads.pop(0) if need_q else None
+    gd = grads.pop(0) if need_d else None
+    return out.detach(), gq, gd
+
+
+def check_against_reference(layout, Q, D, qm, dm, *, gen, normalize=False, mask_mode="exclude",
+                            backward="auto", tol=None, need_q=True, need_d=True):
+    """Run the public op (forward + backward) and compare with the float64 reference.
+
+    Also checks: output shape and dtype, gradient dtypes, exact zero gradients for masked
+    query tokens (so fully masked queries) and masked document tokens (so fully masked
+    documents).  Returns ``(scores, grad_Q, grad_D)``.
+    """
+    dtype = Q.dtype
+    tol_s, tol_g = tol if tol is not None else TOL[dtype]
+    Qr = Q.detach().clone().requires_grad_(need_q)
+    Dr = D.detach().clone().requires_grad_(need_d)
+    out = op(layout)(Qr, Dr, qm, dm, normalize=normalize, mask_mode=mask_mode, backward=backward)
+    nq, nj = Q.shape[0], (D.shape[0] if layout == "cross" else D.shape[1])
+    assert out.shape == out_shape(layout, nq, nj)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    ref, rq, rd = reference_run(layout, Q, D, qm, dm, grad_out, normalize=normalize, mask_mode=mask_mode,
+                                need_q=need_q, need_d=need_d)
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err <= tol_s, f"scores: relative error {err:.3g} > {tol_s:g}"
+
+    gq = gd = None
+    wrt = [t for t in (Qr, Dr) if t.requires_grad]
+    if wrt:
+        grads = list(torch.autograd.grad(out, wrt, grad_out))
+        gq = grads.pop(0) if need_q else None
+        gd = grads.pop(0) if need_d else None
+    if need_q:
+        assert gq.dtype == dtype and gq.shape == Q.shape
+        assert torch.isfinite(gq).all()
+        err = rel_err(gq, rq)
+        assert err <= tol_g, f"grad_Q: relative error {err:.3g} > {tol_g:g}"
+        if qm is not None:
+            assert torch.equal(gq[~qm], torch.zeros_like(gq[~qm])), "masked query tokens must get exact zero gradient"
+    if need_d:
+        assert gd.dtype == dtype and gd.shape == D.shape
+        assert torch.isfinite(gd).all()
+        err = rel_err(gd, rd)
+        assert err <= tol_g, f"grad_D: relative error {err:.3g} > {tol_g:g}"
+        if dm is not None:
+            masked = gd[~dm]
+            assert torch.equal(masked, torch.zeros_like(masked)), "masked doc tokens must get exact zero gradient"
+    return out, gq, gd
+
+
+def expected_argmax(Q, D, qm, dm, layout, mask_mode):
+    """The winner index of every (query, document, query token) in float64, -1 where no
+    valid document token wins (masked query token, fully masked document, or — in zero
+    mode — a masked 0 beating every valid similarity).  ``layout`` is cross or kd."""
+    eq = "ash,bth->abst" if layout == "cross" else "ash,abth->abst"
+    sim = torch.einsum(eq, Q.double(), D.double())
+    if dm is None:
+        dv = torch.ones(sim.shape, dtype=torch.bool)
+    else:
+        dv = (dm.unsqueeze(0) if layout == "cross" else dm).unsqueeze(-2).expand_as(sim)
+    best, win = sim.masked_fill(~dv, float("-inf")).max(-1)
+    ok = best > float("-inf")
+    if mask_mode == "zero":
+        ok &= ~((~dv).any(-1) & (best < 0))
+    if qm is not None:
+        ok &= qm.unsqueeze(1)
+    return torch.where(ok, win, torch.full_like(win, -1))

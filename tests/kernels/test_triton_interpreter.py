@@ -1,0 +1,323 @@
+"""The real Triton kernels, run on CPU tensors by the Triton interpreter
+(``TRITON_INTERPRET=1``, ``LIK_BACKEND=triton``), against the float64 reference.
+
+Interpreter cost is about (programs x tiles), so every shape here is tiny; each test
+still covers what the kernels branch on: layouts (3-D cross product, 4-D per-query
+candidates, pairs), both mask modes, fused normalisation, both backward strategies,
+long queries split into row chunks (Lq > 128), the K-loop (d > 256), d not a power of
+two, several document tiles (Ld > 64), Lq = 1, Ld = 1, and the lowmem compaction that
+needs several rounds when many query rows pick tokens of one tile.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lik_plugins as lik
+from lik_plugins._config import triton_interpret
+from lik_plugins.kernels import dispatch, reference
+from maxsim_testlib import (
+    LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
+)
+
+pytestmark = pytest.mark.skipif(
+    not (dispatch.triton_available() and triton_interpret()),
+    reason="needs triton and TRITON_INTERPRET=1 (set by tests/conftest.py on CPU-only machines)",
+)
+
+# (nq, nj, lq, ld, d) per layout: tiny, ragged, d not a power of two, Ld > BLOCK_N (64)
+# for the cross product so the tile loop and the cross-tile argmax run.
+SHAPES = {
+    "cross": (3, 4, 7, 70, 48),
+    "kd": (2, 3, 9, 33, 48),
+    "pairs": (4, 1, 6, 29, 48),
+}
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+
+
+def _inputs(gen, layout, dtype=torch.float32, shape=None, **kw):
+    nq, nj, lq, ld, d = shape or SHAPES[layout]
+    return make_inputs(gen, layout, nq, nj, lq, ld, d, dtype, **kw)
+
+
+def test_calls_are_served_by_triton(gen):
+    lik.reset_routing_counts()
+    Q, D, qm, dm = _inputs(gen, "pairs", shape=(2, 1, 3, 5, 16))
+    lik.maxsim_pairs(Q, D, qm, dm)
+    lik.maxsim(Q, D, qm, dm)
+    counts = lik.routing_counts()
+    assert counts["maxsim_pairs"] == {"triton": 1}
+    assert counts["maxsim"] == {"triton": 1}
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("mask_mode", MASK_MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp32_lowmem_matches_reference(gen, layout, mask_mode, normalize):
+    Q, D, qm, dm = _inputs(gen, layout)
+    check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=normalize, mask_mode=mask_mode,
+                            backward="lowmem")
+
+
+@pytest.mark.parametrize(
+    "layout,mask_mode,normalize",
+    [("cross", "exclude", True), ("cross", "zero", False), ("kd", "zero", True), ("pairs", "exclude", False)],
+)
+def test_fp32_unified_matches_reference(gen, layout, mask_mode, normalize):
+    Q, D, qm, dm = _inputs(gen, layout)
+    check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=normalize, mask_mode=mask_mode,
+                            backward="unified")
+
+
+def test_unmasked_auto_backward(gen):
+    """No masks at all (colpali-engine's call), backward="auto"."""
+    Q, D, _, _ = _inputs(gen, "cross", shape=(2, 3, 5, 20, 32))
+    check_against_reference("cross", Q, D, None, None, gen=gen, backward="auto")
+
+
+@pytest.mark.parametrize("backward", ["lowmem", "unified"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_matches_reference(gen, layout, backward):
+    """bf16 inputs: fp32 accumulation (scores tight), gradients written in bf16 (tolerance)."""
+    shape = {"cross": (2, 3, 5, 37, 40), "kd": (2, 2, 6, 21, 40), "pairs": (3, 1, 5, 19, 40)}[layout]
+    Q, D, qm, dm = _inputs(gen, layout, torch.bfloat16, shape=shape)
+    mode = "zero" if layout != "kd" else "exclude"
+    check_against_reference(layout, Q, D, qm, dm, gen=gen, mask_mode=mode, normalize=layout == "kd",
+                            backward=backward)
+
+
+def test_fp16_matches_reference(gen):
+    Q, D, qm, dm = _inputs(gen, "cross", torch.float16, shape=(2, 2, 5, 17, 24))
+    check_against_reference("cross", Q, D, qm, dm, gen=gen, mask_mode="zero", backward="lowmem")
+
+
+def test_long_query_is_split_into_row_chunks(gen):
+    """Lq = 130 > 128: the forward splits each query into row chunks (partial sums)."""
+    Q, D, qm, dm = make_inputs(gen, "cross", 1, 2, 130, 8, 16)
+    check_against_reference("cross", Q, D, qm, dm, gen=gen, mask_mode="zero", normalize=True, backward="lowmem")
+
+
+@pytest.mark.parametrize("backward", ["lowmem", "unified"])
+def test_wide_embedding_uses_k_loop(gen, backward):
+    """d = 300 > 256: the forward loops over K tiles; the gather backward splits the
+    documents over programs (fp32 partials, then the normalisation Jacobian)."""
+    Q, D, qm, dm = make_inputs(gen, "cross", 2, 4, 5, 9, 300)
+    check_against_reference("cross", Q, D, qm, dm, gen=gen, normalize=True, backward=backward)
+
+
+def test_wide_embedding_candidates(gen):
+    Q, D, qm, dm = make_inputs(gen, "kd", 1, 2, 4, 6, 512)
+    check_against_reference("kd", Q, D, qm, dm, gen=gen, mask_mode="zero", backward="lowmem")
+
+
+def test_few_queries_many_documents_split_gather(gen):
+    """One query, many documents: the gather backward splits the documents (partials)."""
+    Q, D, qm, dm = make_inputs(gen, "cross", 1, 6, 33, 5, 64)
+    check_against_reference("cross", Q, D, qm, dm, gen=gen, backward="lowmem")
+
+
+@pytest.mark.parametrize("d,layout", [(96, "cross"), (120, "kd"), (120, "pairs")])
+def test_d_not_power_of_two(gen, d, layout):
+    Q, D, qm, dm = make_inputs(gen, layout, 2, 2, 5, 11, d)
+    check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=layout != "cross", backward="lowmem")
+
+
+@pytest.mark.parametrize(
+    "layout,lq,ld",
+    [("cross", 1, 9), ("cross", 6, 1), ("cross", 1, 1), ("kd", 1, 1), ("pairs", 1, 1), ("pairs", 1, 7)],
+)
+@pytest.mark.parametrize("backward", ["lowmem", "unified"])
+def test_single_token_sequences(gen, layout, lq, ld, backward):
+    Q, D, qm, dm = make_inputs(gen, layout, 3, 2, lq, ld, 16)
+    check_against_reference(layout, Q, D, qm, dm, gen=gen, mask_mode="zero", backward=backward)
+    check_against_reference(layout, Q, D, None, None, gen=gen, backward=backward)
+
+
+def _magnet_inputs(gen, layout, nq, nj, lq, ld, d, token):
+    """Every query token's winner is ``token`` of every document: many query rows
+    hit the same document tile, so lowmem's compaction needs several rounds."""
+    Q = torch.randn(nq, lq, d, generator=gen)
+    Q[..., 0] = Q[..., 0].abs() + 1.0
+    shape = (nj, ld, d) if layout == "cross" else (nq, nj, ld, d)
+    D = torch.randn(*shape, generator=gen)
+    D[..., token, 0] = 40.0
+    return Q, D
+
+
+@pytest.mark.parametrize(
+    "layout,shape",
+    [("cross", (3, 2, 24, 8, 16)), ("kd", (1, 2, 40, 300, 16))],
+    ids=["cross-72-rows-one-tile", "kd-40-rows-one-tile-of-300"],
+)
+def test_lowmem_many_winners_in_one_tile(gen, layout, shape):
+    nq, nj, lq, ld, d = shape
+    Q, D = _magnet_inputs(gen, layout, nq, nj, lq, ld, d, token=min(5, ld - 1))
+    _, _, gd = check_against_reference(layout, Q, D, None, None, gen=gen, backward="lowmem")
+    # every gradient row of D lands on the magnet token
+    assert gd.reshape(-1, ld, d).abs().sum(-1).nonzero()[:, 1].unique().tolist() == [min(5, ld - 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["cross", "kd"])
+def test_lowmem_is_bitwise_deterministic(gen, layout, dtype):
+    Q, D, qm, dm = make_inputs(gen, layout, 3, 3, 6, 20, 32, dtype)
+    Q.requires_grad_()
+    D.requires_grad_()
+    grad_out = None
+    results = []
+    for _ in range(2):
+        out = op(layout)(Q, D, qm, dm, normalize=True, backward="lowmem")
+        if grad_out is None:
+            grad_out = torch.randn(out.shape, generator=gen)
+        results.append((out.detach(), *torch.autograd.grad(out, (Q, D), grad_out)))
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("mask_mode", MASK_MODES)
+@pytest.mark.parametrize("backward", ["lowmem", "unified"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+def test_fully_masked_rows_get_exact_zero_gradients(gen, backward, mask_mode, normalize):
+    Q, D, qm, dm = make_inputs(gen, "cross", 3, 3, 5, 9, 16)
+    qm[1] = False  # a fully masked query
+    dm[2] = False  # a fully masked document
+    Q.requires_grad_()
+    D.requires_grad_()
+    out = lik.maxsim(Q, D, qm, dm, mask_mode=mask_mode, normalize=normalize, backward=backward)
+    assert torch.equal(out[1], torch.zeros(3))
+    assert torch.equal(out[:, 2], torch.zeros(3))
+    gq, gd = torch.autograd.grad(out, (Q, D), torch.randn(out.shape, generator=gen))
+    assert torch.equal(gq[1], torch.zeros_like(gq[1]))
+    assert torch.equal(gd[2], torch.zeros_like(gd[2]))
+    assert torch.equal(gq[~qm], torch.zeros_like(gq[~qm]))
+    assert torch.equal(gd[~dm], torch.zeros_like(gd[~dm]))
+    assert gq[qm].abs().sum() > 0 and gd[dm].abs().sum() > 0
+
+
+settings_small = settings(max_examples=8, deadline=None, derandomize=False,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@settings_small
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    nq=st.integers(1, 3),
+    nj=st.integers(1, 3),
+    lq=st.integers(1, 9),
+    ld=st.integers(1, 20),
+    d=st.sampled_from([3, 16, 40, 64]),
+    mask_mode=st.sampled_from(MASK_MODES),
+    normalize=st.booleans(),
+    masks=st.booleans(),
+    backward=st.sampled_from(["lowmem", "unified"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_matches_reference(layout, nq, nj, lq, ld, d, mask_mode, normalize, masks, backward, seed):
+    gen = generator(seed)
+    Q, D, qm, dm = make_inputs(gen, layout, nq, nj, lq, ld, d, masks=masks)
+    check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=normalize, mask_mode=mask_mode,
+                            backward=backward)
+
+
+@pytest.mark.parametrize("layout", ["cross", "kd"])
+def test_noncontiguous_inputs_and_masks(gen, layout):
+    """Transposed views everywhere: Q [Lq, Nq, d].transpose, D with a strided embedding
+    dim, masks transposed.  Normalisation on (its norms follow the input strides)."""
+    nq, nj, lq, ld, d = 2, 3, 5, 11, 24
+    Q = torch.randn(lq, nq, d, generator=gen).transpose(0, 1)
+    if layout == "cross":
+        D = torch.randn(nj, d, ld, generator=gen).transpose(1, 2)
+        dm = (torch.rand(ld, nj, generator=gen) > 0.3).t()
+    else:
+        D = torch.randn(nq, ld, nj, d, generator=gen).permute(0, 2, 1, 3)
+        dm = (torch.rand(nq, ld, nj, generator=gen) > 0.3).permute(0, 2, 1)
+    qm = (torch.rand(lq, nq, generator=gen) > 0.2).t()
+    assert not (Q.is_contiguous() or D.is_contiguous() or qm.is_contiguous() or dm.is_contiguous())
+    for backward in ("lowmem", "unified"):
+        check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=True, mask_mode="zero", backward=backward)
+
+
+def test_no_argmax_under_no_grad(gen, monkeypatch):
+    from lik_plugins.kernels.triton import launch
+
+    seen = []
+    real = launch.forward
+
+    def spy(*args, **kwargs):
+        scores, argmax = real(*args, **kwargs)
+        seen.append((kwargs["save_argmax"], argmax))
+        return scores, argmax
+
+    monkeypatch.setattr(launch, "forward", spy)
+    Q, D, qm, dm = make_inputs(gen, "cross", 2, 2, 4, 7, 16)
+    Q.requires_grad_()
+    with torch.no_grad():
+        out = lik.maxsim(Q, D, qm, dm)
+    assert out.grad_fn is None and not out.requires_grad
+    assert seen == [(False, None)]
+    seen.clear()
+    out = lik.maxsim(Q, D, qm, dm)
+    assert out.grad_fn is not None
+    assert seen[0][0] is True and seen[0][1] is not None
+    assert seen[0][1].shape == (2, 2, 4)
+
+
+@pytest.mark.parametrize("mask_mode", MASK_MODES)
+@pytest.mark.parametrize("layout", ["cross", "kd"])
+def test_saved_argmax_and_sentinel(gen, layout, mask_mode):
+    """The launcher's argmax: the winner for rows with a valid winner, -1 otherwise
+    (masked query token, fully masked document, masked 0 winning in zero mode)."""
+    from lik_plugins.kernels.triton import launch
+
+    Q, D, qm, dm = make_inputs(gen, layout, 2, 3, 6, 70, 16)
+    scores, arg = launch.forward(Q, D, qm, dm, cross=layout == "cross", normalize=False,
+                                 zero_mode=mask_mode == "zero", save_argmax=True)
+    assert arg.shape == (2, 3, 6)
+    assert not arg.dtype.is_floating_point
+    _, no_arg = launch.forward(Q, D, qm, dm, cross=layout == "cross", normalize=False,
+                               zero_mode=mask_mode == "zero", save_argmax=False)
+    assert no_arg is None
+    expected = expected_argmax(Q, D, qm, dm, layout, mask_mode)
+    assert torch.equal(arg.long(), expected)
+    assert rel_err(scores, reference.maxsim(Q.double(), D.double(), qm, dm, mask_mode=mask_mode)) < 2e-5
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nan_in_query_propagates_without_crash(gen):
+    Q, D, qm, dm = make_inputs(gen, "cross", 3, 4, 5, 9, 16, special_rows=False)
+    qm[0, 1] = True
+    Q[0, 1, 3] = float("nan")
+    Q.requires_grad_()
+    out = lik.maxsim(Q, D, qm, dm)
+    assert torch.isnan(out[0]).all()
+    ref = reference.maxsim(Q.detach().double(), D.double(), qm, dm)
+    assert rel_err(out[1:], ref[1:]) < 2e-5
+    out.sum().backward()  # no crash
+    assert torch.isfinite(Q.grad[1:]).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nonfinite_masked_tokens_are_ignored(gen):
+    """NaN / inf in masked tokens (query or document) never reach a score."""
+    Q, D, qm, dm = make_inputs(gen, "cross", 2, 3, 5, 9, 16, special_rows=False)
+    qm[0, 2] = False
+    dm[1, 4] = False
+    ref = reference.maxsim(Q.double(), D.double(), qm, dm)
+    Q[0, 2] = float("nan")
+    D[1, 4] = float("inf")
+    for mode in MASK_MODES:
+        out = lik.maxsim(Q, D, qm, dm, mask_mode=mode)
+        assert torch.isfinite(out).all()
+    assert rel_err(lik.maxsim(Q, D, qm, dm), ref) < 2e-5
+
+
+def test_float64_is_refused_with_a_reason(gen):
+    Q, D, _, _ = make_inputs(gen, "cross", 1, 1, 2, 3, 8, torch.float64, masks=False)
+    with pytest.raises(RuntimeError, match=r"LIK_BACKEND=triton, but the Triton kernels take fp16/bf16/fp32"):
+        lik.maxsim(Q, D)
