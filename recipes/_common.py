@@ -325,8 +325,8 @@ def main(description: str, build, *, batch_size: int, steps: int, lr: float, ext
     if extra is not None:
         extra(p)
     args = p.parse_args()
-    finish_args(args)
     if args.only:
+        finish_args(args)  # imports torch: only in the run itself, not in the driver
         result = run_one(args, args.only, build)
         if args.json:
             with open(args.json, "w") as fh:

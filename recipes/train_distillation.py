@@ -47,4 +47,4 @@ def extra(p):
 
 
 if __name__ == "__main__":
-    _common.main(__doc__.splitlines()[0], build, batch_size=8, steps=16, lr=5e-5, extra=extra)
+    _common.main(__doc__.splitlines()[0], build, batch_size=8, steps=12, lr=5e-5, extra=extra)
