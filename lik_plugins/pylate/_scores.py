@@ -153,6 +153,9 @@ def _check_mask(mask: torch.Tensor | None, shape: tuple, device: torch.device, w
         return f"{what} mask on {mask.device}, embeddings on {device}"
     if mask.is_complex():
         return f"{what} mask of dtype {mask.dtype}"
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        # PyLate multiplies by the mask: a weight other than 0/1 scales similarities.
+        return f"{what} mask has values other than 0 and 1"
     return None
 
 

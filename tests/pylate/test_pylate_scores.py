@@ -168,6 +168,16 @@ def test_unservable_inputs_fall_back_silently_under_auto(patched):
     assert routing_counts()["pylate.colbert_scores"] == {"original": 1}
 
 
+def test_weighted_masks_are_pylates_business(patched):
+    from pylate import scores
+
+    Q, D, qm, dm = _inputs(seed=11)
+    weights = dm.float() * 0.5  # PyLate multiplies: similarities are scaled, not masked
+    got = scores.colbert_scores(Q, D, qm, weights)
+    torch.testing.assert_close(got, patched.originals["colbert_scores"](Q, D, qm, weights))
+    assert routing_counts()["pylate.colbert_scores"] == {"original": 1}
+
+
 # ------------------------------------------------------------------------ backend variable
 
 
