@@ -240,10 +240,43 @@ def run_scenario(encoder_dir: str, work_dir: str, kinds=("contrastive", "cached"
     reset_routing_counts()
     summary["inference_patched"] = inference()
     summary["inference_counts"] = routing_counts()
+    summary["backend"] = backend_matrix()
     unpatch_pylate()
     summary["version"] = __import__("pylate").__version__
     summary["lik_plugins"] = lik_plugins.__version__
     return summary
+
+
+def backend_matrix() -> dict:
+    """Which path serves ``colbert_scores`` (CPU) for each ``PYLATE_SCORES_BACKEND`` value,
+    or which error it raises: the same meanings on every release."""
+    import torch
+    from pylate import scores
+
+    from lik_plugins import reset_routing_counts, routing_counts
+
+    Q, D = torch.randn(2, 3, 8), torch.randn(3, 4, 8)
+    out = {}
+    saved = os.environ.pop("PYLATE_SCORES_BACKEND", None)
+    try:
+        for value in ("auto", "torch", "lik", "flash", "bogus"):
+            for how in ("env", "arg"):
+                reset_routing_counts()
+                try:
+                    if how == "env":
+                        os.environ["PYLATE_SCORES_BACKEND"] = value
+                        scores.colbert_scores(Q, D)
+                    else:
+                        os.environ.pop("PYLATE_SCORES_BACKEND", None)
+                        scores.colbert_scores(Q, D, backend=value)
+                    out[f"{how}:{value}"] = sorted(routing_counts().get("pylate.colbert_scores", {}))
+                except Exception as exc:  # noqa: BLE001 - recorded for the test
+                    out[f"{how}:{value}"] = type(exc).__name__
+    finally:
+        os.environ.pop("PYLATE_SCORES_BACKEND", None)
+        if saved is not None:
+            os.environ["PYLATE_SCORES_BACKEND"] = saved
+    return out
 
 
 if __name__ == "__main__":  # python pylate_tiny.py OUT.json

@@ -48,3 +48,8 @@ def test_release(version, tmp_path):
     assert counts["pylate.colbert_kd_scores"] == {"torch-chunked": 1}
     assert summary["inference_patched"]["rerank"] == summary["inference_vanilla"]["rerank"]
     assert summary["inference_patched"]["triplet"] == summary["inference_vanilla"]["triplet"]
+    # the backend variable keeps its meanings on releases that predate it
+    for how in ("env", "arg"):
+        backend = {k.split(":")[1]: v for k, v in summary["backend"].items() if k.startswith(how)}
+        assert backend == {"auto": ["torch-chunked"], "lik": ["torch-chunked"], "torch": ["original"],
+                           "flash": "RuntimeError", "bogus": "ValueError"}, (how, backend)

@@ -73,6 +73,13 @@ def test_inference_entry_points_routed_with_identical_results(scenario):
     assert patched["distillation"] == pytest.approx(vanilla["distillation"], abs=1e-6)
 
 
+def test_backend_matrix(scenario):
+    for how in ("env", "arg"):
+        backend = {k.split(":")[1]: v for k, v in scenario["backend"].items() if k.startswith(how)}
+        assert backend == {"auto": ["torch-chunked"], "lik": ["torch-chunked"], "torch": ["original"],
+                           "flash": "RuntimeError", "bogus": "ValueError"}, (how, backend)
+
+
 def test_ir_evaluator_built_before_the_patch(encoder):
     from pylate import evaluation
 
