@@ -143,6 +143,7 @@ def markdown(results: list[dict], meta: dict) -> str:
            f"{meta['device']}, torch {meta['torch']}, PyLate {meta['pylate']}; ModernBERT-base config (random), "
            f"bf16, AdamW, Lq={LQ}, Ld={LD}, one hard negative. Step time = median of 3 steps; "
            "peak = step peak over the allocated baseline.", ""]
+    verdicts: list[str] = []
     for loss in ("contrastive", "cached"):
         series = [r for r in results if r["loss"] == loss]
         if not series:
@@ -165,10 +166,18 @@ def markdown(results: list[dict], meta: dict) -> str:
                            f"| {speed} | {cell(v, 'step_peak_gib', '{:.2f}')} | {cell(p, 'step_peak_gib', '{:.2f}')} |")
             vmax = max([b for b, r in v.items() if r["status"] == "ok"], default=0)
             pmax = max([b for b, r in p.items() if r["status"] == "ok"], default=0)
+            both = [b for b in v if b in p and v[b]["status"] == p[b]["status"] == "ok"]
+            if both:
+                slower = [b for b in both if p[b]["step_ms"] > v[b]["step_ms"] * 1.02]
+                verdicts.append(f"- {loss}, gc {'on' if gc else 'off'}: patched slower than vanilla (>2%) at "
+                                f"{slower if slower else 'no batch size'}; largest batch {vmax} -> {pmax}"
+                                + (f" ({pmax / vmax:.1f}x)" if vmax else ""))
             if v or p:
                 out.append(f"| {'on' if gc else 'off'} | **largest batch** | **{vmax}** | **{pmax}** | "
                            f"{(pmax / vmax) if vmax else float('nan'):.1f}x | | |")
         out.append("")
+    if verdicts:
+        out += ["## Verdict", "", *verdicts, ""]
     return "\n".join(out)
 
 
