@@ -221,6 +221,8 @@ def main() -> int:
         cmd += ["--batch", str(batch)] if batch else []
         print(f"[{i + 1}/{len(plan)}] {variant} {loss} gc={gc} (budget {per:.0f} s)", flush=True)
         env = {k: v for k, v in os.environ.items() if k not in ("LIK_DISABLE", "PYLATE_SCORES_BACKEND")}
+        if variant == "vanilla":  # PyLate's own einsum path, even where flash-maxsim / LIK are installed
+            env["PYLATE_SCORES_BACKEND"] = "torch"
         try:
             rc = subprocess.run(cmd, env=env, timeout=per + 60).returncode
         except subprocess.TimeoutExpired:

@@ -283,6 +283,8 @@ def _child(args, variant: str) -> dict:
         path = fh.name
     cmd = [sys.executable, sys.argv[0], *sys.argv[1:], "--only", variant, "--json", path]
     env = {k: v for k, v in os.environ.items() if k not in ("LIK_DISABLE", "PYLATE_SCORES_BACKEND")}
+    if variant == "vanilla":  # PyLate's own einsum path, even where flash-maxsim / LIK are installed
+        env["PYLATE_SCORES_BACKEND"] = "torch"
     subprocess.run(cmd, check=True, env=env)
     with open(path) as fh:
         result = json.load(fh)

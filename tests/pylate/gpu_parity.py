@@ -103,6 +103,8 @@ def distance(a: dict, b: dict) -> dict:
 def main(out_path: str) -> int:
     import pylate
 
+    os.environ.pop("PYLATE_SCORES_BACKEND", None)
+    os.environ.pop("LIK_DISABLE", None)
     import lik_plugins
     from lik_plugins import patch_pylate, reset_routing_counts, routing_counts, unpatch_pylate
 
@@ -114,8 +116,11 @@ def main(out_path: str) -> int:
         path = build_encoder(os.path.join(tmp, "enc"))
         for kind in KINDS:
             unpatch_pylate()
+            # PyLate's own einsum path, even where flash-maxsim / LIK are installed (1.5.1+)
+            os.environ["PYLATE_SCORES_BACKEND"] = "torch"
             oracle = step(path, kind, torch.float32)
             vanilla_bf16 = step(path, kind, torch.bfloat16)
+            del os.environ["PYLATE_SCORES_BACKEND"]
             patch_pylate()
             results = {}
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
