@@ -1,6 +1,8 @@
 """Scoring-level parity with PyLate's own path, the backend variable, patch/unpatch."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -301,3 +303,34 @@ def test_objects_built_during_the_patch_are_plain_pylate_after_unpatch(tmp_path)
     unpatch_pylate()
     assert loss.score_metric.__module__.startswith("pylate.scores")
     assert model._similarity.__module__.startswith("pylate.scores")
+
+
+# ------------------------------------------------------- the Triton kernels behind PyLate
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU) for the kernels")
+def test_pylate_semantics_through_the_triton_kernels(patched, monkeypatch):
+    pytest.importorskip("triton")
+    from pylate import scores
+    from pylate.scores import ColBERTScores
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    g = torch.Generator().manual_seed(12)
+    Q = torch.randn(2, 5, 16, generator=g).requires_grad_()
+    D = (torch.randn(3, 2, 7, 16, generator=g) - 0.3).requires_grad_()  # negatives: masked zeros win rows
+    dm = torch.rand(3, 2, 7, generator=g) > 0.4
+    dm[0, 1] = False
+    got = ColBERTScores()(Q, D, queries_mask=None, documents_mask=dm)
+    got.sum().backward()
+    grads = Q.grad.clone(), D.grad.clone()
+    Q.grad = D.grad = None
+    want = patched.originals["colbert_scores"](Q, D.reshape(6, 7, 16), None, dm.reshape(6, 7))
+    want.sum().backward()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grads[0], Q.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grads[1], D.grad, atol=1e-4, rtol=1e-4)
+    kd = scores.colbert_kd_scores(Q.detach(), D[:2].detach(), None, dm[:2])
+    torch.testing.assert_close(kd, patched.originals["colbert_kd_scores"](Q.detach(), D[:2].detach(), None, dm[:2]),
+                               atol=1e-4, rtol=1e-4)
+    assert routing_counts()["pylate.ColBERTScores"] == {"triton": 1}
+    assert routing_counts()["pylate.colbert_kd_scores"] == {"triton": 1}
