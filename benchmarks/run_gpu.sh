@@ -23,3 +23,13 @@ if [[ $stage == kernels || $stage == all ]]; then
   tail -3 "$OUT/memcheck.log"
   python3 benchmarks/bench_kernels.py "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -30
 fi
+
+if [[ $stage == hosts || $stage == all ]]; then
+  # PyLate 1.6.0 / colpali-engine 0.3.18 with the transformers / sentence-transformers they pin
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hosts .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/hosts:$PWD HF_HUB_OFFLINE=1
+  timeout 120 python3 tests/pylate/gpu_parity.py "$OUT/pylate_gpu_parity.json" 2>&1 | tail -12
+  timeout 120 python3 tests/colpali/gpu_parity.py "$OUT/colpali_gpu_parity.json" 2>&1 | tail -12
+  timeout 170 python3 benchmarks/colpali_heads.py "$OUT" 2>&1 | tail -20
+  timeout 200 python3 benchmarks/pylate_e2e.py "$OUT" --budget-s 170 2>&1 | tail -20
+fi

@@ -18,16 +18,18 @@ def choose_backward(strategy: str, *, cross: bool) -> str:
     * per-query candidates and pairs: ``lowmem`` — each document is owned by one query,
       so destination-owned gradients have no contention, need no fp32 buffer and are
       deterministic; atomics would buy nothing.
-    * in-batch cross product: ``lowmem`` as well — its one-hot product runs on the tensor
-      cores with no ``[Nd, Ld, d]`` fp32 buffer, while the ``unified`` atomic scatter
-      issues ``Nq*Nd*Lq*d`` fp32 atomics (see ``benchmarks/NOTES.md`` for the measured
-      comparison on an H100).
+    * in-batch cross product: ``unified`` — one pass over the argmax that gathers for
+      grad_Q and scatters ``g * q`` into grad_D with relaxed fp32 atomics; the only
+      deterministic alternative (a one-hot product per document tile) costs as many
+      FLOPs as the forward and measured 2-7x slower on an H100 (benchmarks/NOTES.md).
+      The price is an fp32 ``[Nd, Ld, d]`` buffer and run-to-run rounding differences
+      in grad_D; pass ``backward="lowmem"`` for bitwise determinism and the least memory.
     """
     if strategy not in BACKWARD_STRATEGIES:
         raise ValueError(f"backward must be one of {', '.join(map(repr, BACKWARD_STRATEGIES))}; got {strategy!r}")
     if strategy != "auto":
         return strategy
-    return "lowmem"
+    return "unified" if cross else "lowmem"
 
 
 class MaxSimFunction(torch.autograd.Function):

@@ -110,7 +110,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="
 
     per_q = nj * lq * dim
     cq = _rows_per_chunk(per_q, nq)
-    for q0 in range(0, nq, cq):
+    for q0 in range(0, nq if ld else 0, cq):  # Ld = 0: no winners, zero gradients
         qs = slice(q0, q0 + cq)
         win = argmax[qs]  # [a, NJ, Lq]
         ok = win >= 0

@@ -38,7 +38,7 @@ def _reduce(sim: torch.Tensor, q_valid: torch.Tensor, d_valid: torch.Tensor, mas
         raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}")
     dv = d_valid.unsqueeze(-2)
     if sim.shape[-1] == 0:
-        row = sim.new_zeros(sim.shape[:-1])
+        row = sim.sum(dim=-1)  # zeros that stay on the autograd graph
     elif mask_mode == "exclude":
         row = sim.masked_fill(~dv, float("-inf")).max(dim=-1).values
         has_valid = dv.any(dim=-1)
@@ -49,7 +49,7 @@ def _reduce(sim: torch.Tensor, q_valid: torch.Tensor, d_valid: torch.Tensor, mas
         best = sim.masked_fill(~dv, float("-inf")).max(dim=-1).values
         has_masked = (~dv).any(dim=-1)
         row = torch.where(has_masked & (best < 0), torch.zeros_like(best), best)
-    row = row * q_valid.to(row.dtype)
+    row = torch.where(q_valid, row, torch.zeros_like(row))  # not a product: NaN * 0 is NaN
     return row.sum(dim=-1)
 
 

@@ -5,9 +5,11 @@
   (registers, fp32, one write in the input dtype) and, for the ``unified`` strategy,
   scatters ``g * q`` into an fp32 ``grad_D`` buffer with atomics.
 * :func:`maxsim_bwd_doc_kernel` — ``lowmem``: destination-owned ``grad_D``.  One program
-  per (document, tile of its tokens) compacts the query rows whose winner lies in its
-  tile and adds them with a small one-hot product: no atomics, no fp32 buffer, bitwise
-  deterministic, written once in the input dtype.
+  per (document, tile of its tokens) collects every query row whose winner lies in its
+  tile as a one-hot ``[BLOCK_T, BLOCK_R]`` x ``[BLOCK_R, d]`` product, so no atomics, no
+  fp32 buffer, bitwise deterministic, written once in the input dtype.  (A prefix-sum
+  compaction of the hitting rows was tried and measured 1.3-3x slower on an H100:
+  see benchmarks/NOTES.md.)
 * :func:`project_rows_kernel` — the normalisation Jacobian for an fp32 buffer.
 
 With ``NORMALIZE`` the kernels work on ``dL/dx_hat`` and apply
@@ -112,21 +114,14 @@ def maxsim_bwd_doc_kernel(
     s_rdi, s_rdj,
     CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, HITS: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    # Destination-owned grad_D for one (document, tile of BLOCK_T tokens).  The program
-    # scans the argmax of every query row that may point into its document (int16 reads),
-    # compacts the rows whose winner falls in its tile (prefix sum), gathers only those
-    # query rows and adds them with a [BLOCK_T, HITS] one-hot product.  Work is
-    # proportional to the winners, not to Ld; the order is fixed, so it is deterministic.
     pid = tl.program_id(0)
     n_tb = tl.cdiv(ld, BLOCK_T)
     i_doc = (pid // n_tb).to(tl.int64)
-    t0 = (pid % n_tb) * BLOCK_T
-    o_t = t0 + tl.arange(0, BLOCK_T)
+    o_t = (pid % n_tb) * BLOCK_T + tl.arange(0, BLOCK_T)
     o_h = tl.arange(0, D_PAD)
     o_r = tl.arange(0, BLOCK_R)
-    o_k = tl.arange(0, HITS)
     m_t = o_t < ld
     m_h = o_h < dim
     if CROSS:
@@ -146,31 +141,20 @@ def maxsim_bwd_doc_kernel(
     for r0 in range(r_lo, r_hi, BLOCK_R):
         o_rr = r0 + o_r
         m_r = o_rr < r_hi
-        b_a = tl.load(ARG + ((o_rr // lq) * n_j + i_j) * lq + o_rr % lq, mask=m_r, other=-1).to(tl.int32)  # [BR]
-        m_hit = (b_a >= t0) & (b_a < t0 + BLOCK_T)
-        n_hit = tl.sum(m_hit.to(tl.int32), axis=0)
-        b_pos = tl.cumsum(m_hit.to(tl.int32), axis=0) - 1                                # [BR] slot of each hit
-        # winner offset and row offset packed in one int32, so one reduction compacts both
-        b_packed = (b_a - t0) * BLOCK_R + o_r
-        for base in range(0, n_hit, HITS):
-            m_sel = (b_pos[None, :] == (base + o_k)[:, None]) & m_hit[None, :]             # [HITS, BR]
-            b_sel = tl.sum(tl.where(m_sel, b_packed[None, :], 0), axis=1)                # [HITS]
-            m_k = (base + o_k) < n_hit
-            b_row = r0 + b_sel % BLOCK_R
-            b_tok = t0 + b_sel // BLOCK_R
-            i_q = b_row // lq
-            i_s = b_row % lq
-            b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_k, other=0.0)
-            if NORMALIZE:
-                b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_k, other=0.0)
-            b_w = tl.where(b_tok[None, :] == o_t[:, None], b_g[None, :], 0.0)             # [BT, HITS] one-hot * g
-            b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
-                          mask=m_k[:, None] & m_h[None, :], other=0.0)                     # [HITS, DP]
-            if F32_DOT or UPCAST:
-                b_acc = tl.dot(b_w, b_q.to(tl.float32), b_acc, input_precision=PRECISION)
-            else:
-                # bf16 operands, as the host's own bf16 backward rounds its incoming gradient
-                b_acc = tl.dot(b_w.to(b_q.dtype), b_q, b_acc)                            # [BT, HITS] @ [HITS, DP]
+        i_q = o_rr // lq
+        i_s = o_rr % lq
+        b_a = tl.load(ARG + (i_q * n_j + i_j) * lq + i_s, mask=m_r, other=-1).to(tl.int32)   # [BR]
+        b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_r, other=0.0)
+        if NORMALIZE:
+            b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_r, other=0.0)
+        b_w = tl.where(b_a[None, :] == o_t[:, None], b_g[None, :], 0.0)                 # [BT, BR] one-hot * g
+        b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
+                      mask=m_r[:, None] & m_h[None, :], other=0.0)                        # [BR, DP]
+        if F32_DOT or UPCAST:
+            b_acc = tl.dot(b_w, b_q.to(tl.float32), b_acc, input_precision=PRECISION)
+        else:
+            # bf16 operands, as the host's own bf16 backward rounds its incoming gradient
+            b_acc = tl.dot(b_w.to(b_q.dtype), b_q, b_acc)                                # [BT, BR] @ [BR, DP]
 
     p_d = D + i_own * s_di + i_j * s_dj
     if NORMALIZE:

@@ -10,9 +10,9 @@ import torch
 import triton
 
 from ..common import inverse_norms
-from .backward import maxsim_bwd_doc_kernel, maxsim_bwd_gather_kernel, project_rows_kernel
+from .backward import maxsim_bwd_gather_kernel, project_rows_kernel
 from .forward import maxsim_fwd_kernel
-from .tuning import doc_kernel_meta, forward_kernel_and_meta, interpreting, next_pow2
+from .tuning import doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
 
 # Lq above this is split into row chunks of this many tokens (exact: partial sums).
 MAX_ROWS_PER_Q = 128
@@ -81,7 +81,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
         arg_dtype = torch.int16 if ld < 2**15 else torch.int32
         argmax = torch.empty((nq, nj, lq), dtype=arg_dtype, device=device)
     if scores.numel() == 0 or lq == 0:
-        return scores.sum(0) if n_chunks else scores[0], (argmax.fill_(-1) if argmax is not None else None)
+        return scores.zero_().sum(0), (argmax.fill_(-1) if argmax is not None else None)
 
     qm = _mask_bytes(q_mask, device)
     dm = _mask_bytes(d_mask, device)
@@ -208,8 +208,8 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
             grad_d.copy_(gd32)
     elif need_d:
         n_docs = nj if cross else nq * nj
-        meta = doc_kernel_meta(d_pad=d_pad, ld=ld, lq=lq, cross=cross)
-        maxsim_bwd_doc_kernel[(n_docs * _cdiv(ld, meta["BLOCK_T"]),)](
+        kernel, meta = doc_kernel_and_meta(d_pad=d_pad, n_programs_at_64=n_docs * _cdiv(ld, 64))
+        kernel[lambda m: (n_docs * _cdiv(ld, m["BLOCK_T"]),)](
             grad, Q, D, rq, rd, argmax, grad_d,
             nq, nj, lq, ld, dim,
             grad.stride(0), grad.stride(1),

@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 
+from .backward import maxsim_bwd_doc_kernel
 from .forward import maxsim_fwd_kernel
 
 # Below this many programs a launch is latency-bound: a sweep costs more than it saves.
@@ -111,18 +112,45 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
 
 
 # ---------------------------------------------------------------- lowmem grad_D
-def doc_kernel_meta(*, d_pad, ld, lq, cross):
-    """Fixed tiles for the lowmem grad_D kernel (no sweep: it is gather-bound, and a fixed
-    config keeps the first call cheap and the launch graph-capturable).
+def _doc_configs():
+    return [
+        triton.Config({"BLOCK_T": t, "BLOCK_R": r}, num_warps=w, num_stages=st)
+        for t in (32, 64, 128)
+        for r in (32, 64)
+        for w in (4, 8)
+        for st in (2, 3)
+    ]
 
-    BLOCK_R query rows are scanned per step; HITS is sized to the expected number of
-    winners a step finds in a BLOCK_T tile (``BLOCK_R * BLOCK_T / Ld``), so most steps
-    need one compaction round."""
-    block_t = 64 if d_pad <= 128 else (32 if d_pad <= 256 else 16)
-    block_r = 128 if cross else max(16, min(128, next_pow2(lq)))
-    expected = max(1, (block_r * block_t) // max(ld, 1))
-    hits = max(16, min(64, next_pow2(expected)))
-    meta = {"BLOCK_T": block_t, "BLOCK_R": block_r, "HITS": hits}
-    if not interpreting():
-        meta.update(num_warps=4, num_stages=1)
-    return meta
+
+def _doc_prune(configs, named_args, **kwargs):
+    d_pad = kwargs["D_PAD"]
+    elem = 4 if kwargs["F32_DOT"] else named_args["Q"].element_size()
+    budget = _smem_budget() - 8 * 1024
+    kept = [
+        c for c in configs
+        # fp32 accumulator [BLOCK_T, D_PAD] must stay in registers
+        if c.kwargs["BLOCK_T"] * d_pad <= 128 * 128
+        and c.num_stages * c.kwargs["BLOCK_R"] * d_pad * elem + c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_R"] * elem <= budget
+        and (c.num_warps == 4 or c.kwargs["BLOCK_T"] >= 64)
+    ]
+    return kept or [triton.Config({"BLOCK_T": 16, "BLOCK_R": 16}, num_warps=4, num_stages=1)]
+
+
+_tuned_doc = triton.autotune(
+    configs=_doc_configs(),
+    key=["CROSS", "D_PAD", "F32_DOT", "NORMALIZE"],
+    prune_configs_by={"early_config_prune": _doc_prune},
+    **_autotune_kwargs(),
+)(maxsim_bwd_doc_kernel)
+
+
+def doc_kernel_and_meta(*, d_pad, n_programs_at_64):
+    """lowmem grad_D kernel + meta.  The grid depends on BLOCK_T, so callers pass a grid
+    function of the meta-parameters."""
+    if interpreting() or n_programs_at_64 < SMALL_LAUNCH_PROGRAMS:
+        block_t = 64 if d_pad <= 128 else (32 if d_pad <= 256 else 16)
+        meta = {"BLOCK_T": block_t, "BLOCK_R": 32 if d_pad <= 256 else 16}
+        if not interpreting():
+            meta.update(num_warps=4, num_stages=2)
+        return maxsim_bwd_doc_kernel, meta
+    return _tuned_doc, {}
