@@ -177,3 +177,22 @@ def expected_argmax(Q, D, qm, dm, layout, mask_mode):
     if qm is not None:
         ok &= qm.unsqueeze(1)
     return torch.where(ok, win, torch.full_like(win, -1))
+
+
+def _triton_interpretable() -> bool:
+    from lik_plugins._config import triton_interpret
+    from lik_plugins.kernels import dispatch
+
+    return dispatch.triton_available() and triton_interpret()
+
+
+def backend_params():
+    """``LIK_BACKEND`` values that run kernels on CPU tensors: the chunked torch path
+    always, the Triton kernels under the interpreter when it is on."""
+    import pytest
+
+    return [
+        pytest.param("torch-chunked", id="chunked"),
+        pytest.param("triton", id="triton", marks=pytest.mark.skipif(
+            not _triton_interpretable(), reason="needs triton and TRITON_INTERPRET=1")),
+    ]
