@@ -76,13 +76,16 @@ class PyLateLayout:
 def import_optional(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(name)
-    except ImportError:
+    except Exception:  # optional capture points: a module that cannot import has nothing to patch
         return None
 
 
 def detect() -> PyLateLayout:
     """Import PyLate's scoring modules and describe the installed release."""
-    import pylate
+    try:
+        import pylate
+    except ImportError as exc:
+        raise ImportError("patch_pylate() needs PyLate (1.3.3 - 1.6.x): pip install 'lik_plugins[pylate]'") from exc
 
     version = str(getattr(pylate, "__version__", "unknown"))
     scores_module = import_optional("pylate.scores.colbert")

@@ -164,11 +164,12 @@ def patch_pylate() -> layout_mod.PyLateLayout:
     """
     global _current
     with _lock:
-        for name in layout_mod.MODULES:
-            layout_mod.import_optional(name)
         layout = _current
         if layout is None:
             layout = layout_mod.detect()
+        for name in layout_mod.MODULES:
+            layout_mod.import_optional(name)
+        if _current is None:
             if layout.colbert_scores_class is not None:
                 originals = dict(layout.originals)
                 originals["ColBERTScores.__call__"] = vars(layout.colbert_scores_class)["__call__"]
