@@ -196,3 +196,22 @@ def backend_params():
         pytest.param("triton", id="triton", marks=pytest.mark.skipif(
             not _triton_interpretable(), reason="needs triton and TRITON_INTERPRET=1")),
     ]
+
+
+def tied_inputs(gen, layout, nq, nj, lq, ld, d, copies):
+    """Document row 0 holds exact copies of its token ``copies[0]`` at ``copies[1:]``,
+    and every query token prefers it: exact ties that must resolve to the lowest index
+    (the reference's rule), in the forward's argmax and so in the gradient.  Small
+    integer values make every dot product exact, whatever the summation order."""
+    def ints(*shape, lo=-2, hi=3):
+        return torch.randint(lo, hi, shape, generator=gen).float()
+
+    D = ints(*doc_shape(layout, nq, nj, ld, d))
+    rows = D.view(-1, ld, d)
+    target = ints(d, lo=-3, hi=4)
+    target[0] = 4.0
+    rows[0] = ints(ld, d, lo=-1, hi=2)
+    for t in copies:
+        rows[0, t] = target
+    Q = 2 * target + ints(nq, lq, d, lo=-1, hi=2)
+    return Q, D

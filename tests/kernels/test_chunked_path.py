@@ -14,6 +14,7 @@ import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
 from maxsim_testlib import (
     LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
+    tied_inputs,
 )
 
 SHAPES = {
@@ -266,3 +267,20 @@ def test_property_matches_reference(layout, nq, nj, lq, ld, d, mask_mode, normal
         os.environ.pop("LIK_CHUNK_ELEMENTS", None)
         if old is not None:
             os.environ["LIK_CHUNK_ELEMENTS"] = old
+
+
+@pytest.mark.parametrize("budget", [None, "70"], ids=["default-budget", "budget-70"])
+@pytest.mark.parametrize("layout", ["cross", "kd"])
+def test_exact_ties_go_to_the_lowest_index(gen, monkeypatch, layout, budget):
+    if budget is not None:
+        monkeypatch.setenv("LIK_CHUNK_ELEMENTS", budget)
+    ld, d = 70, 16
+    Q, D = tied_inputs(gen, layout, 2, 2, 4, ld, d, copies=(3, 67, 10))
+    _, arg = chunked.forward(Q, D, None, None, cross=layout == "cross", normalize=False, zero_mode=False,
+                             save_argmax=True)
+    first = arg[:, 0] if layout == "cross" else arg[0, 0]
+    assert (first == 3).all(), first
+    _, _, gd = check_against_reference(layout, Q, D, None, None, gen=gen)
+    doc0 = gd.reshape(-1, ld, d)[0]
+    assert doc0[3].abs().sum() > 0
+    assert torch.equal(doc0[10], torch.zeros(d)) and torch.equal(doc0[67], torch.zeros(d))

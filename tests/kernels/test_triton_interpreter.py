@@ -20,6 +20,7 @@ from lik_plugins._config import triton_interpret
 from lik_plugins.kernels import dispatch, reference
 from maxsim_testlib import (
     LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
+    tied_inputs,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -321,3 +322,23 @@ def test_float64_is_refused_with_a_reason(gen):
     Q, D, _, _ = make_inputs(gen, "cross", 1, 1, 2, 3, 8, torch.float64, masks=False)
     with pytest.raises(RuntimeError, match=r"LIK_BACKEND=triton, but the Triton kernels take fp16/bf16/fp32"):
         lik.maxsim(Q, D)
+
+
+@pytest.mark.parametrize("backward", ["lowmem", "unified"])
+@pytest.mark.parametrize("layout", ["cross", "kd"])
+def test_exact_ties_go_to_the_lowest_index(gen, layout, backward):
+    """Token 3 of document 0 is copied to 67 (same column of the next BLOCK_N=64 tile) and
+    to 10 (same tile): the argmax and the gradient must pick token 3."""
+    from lik_plugins.kernels.triton import launch
+
+    ld, d = 70, 16
+    Q, D = tied_inputs(gen, layout, 2, 2, 4, ld, d, copies=(3, 67, 10))
+    _, arg = launch.forward(Q, D, None, None, cross=layout == "cross", normalize=False, zero_mode=False,
+                            save_argmax=True)
+    first = arg[:, 0] if layout == "cross" else arg[0, 0]
+    assert (first == 3).all(), first
+    assert torch.equal(arg.long(), expected_argmax(Q, D, None, None, layout, "exclude"))
+    _, _, gd = check_against_reference(layout, Q, D, None, None, gen=gen, backward=backward)
+    doc0 = gd.reshape(-1, ld, d)[0]
+    assert doc0[3].abs().sum() > 0
+    assert torch.equal(doc0[10], torch.zeros(d)) and torch.equal(doc0[67], torch.zeros(d))
