@@ -121,11 +121,12 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="
             flat = (rows * nj + torch.arange(nj, device=Q.device).view(1, nj, 1)) * ld + win.clamp_min(0)
         weight = grad[qs].unsqueeze(-1) * ok.to(cdt)  # [a, NJ, Lq]
         if need_q:
-            gathered = d_rows[flat.reshape(-1)].view(*flat.shape, dim)
+            # rows without a winner point at token 0: zero them so a NaN there cannot leak
+            gathered = d_rows[flat.reshape(-1)].view(*flat.shape, dim).masked_fill(~ok.unsqueeze(-1), 0)
             gq[qs] = torch.einsum("ajs,ajsh->ash", weight, gathered)
         if need_d:
             qh = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
-            contrib = weight.unsqueeze(-1) * qh.unsqueeze(1)  # [a, NJ, Lq, d]
+            contrib = (weight.unsqueeze(-1) * qh.unsqueeze(1)).masked_fill(~ok.unsqueeze(-1), 0)  # [a, NJ, Lq, d]
             gd.index_add_(0, flat.reshape(-1), contrib.reshape(-1, dim))
 
     grad_q = grad_d = None

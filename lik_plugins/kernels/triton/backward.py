@@ -37,7 +37,7 @@ def maxsim_bwd_gather_kernel(
     s_qi, s_qs, s_qh,
     s_di, s_dj, s_dt, s_dh,
     s_rdi, s_rdj,
-    s_gdi, s_gdj,
+    s_gdi, s_gdj, s_ai,
     n_split, j_per_split,
     NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, PARTIAL: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
@@ -75,7 +75,7 @@ def maxsim_bwd_gather_kernel(
         o_jj = j0 + o_j                                                                # [BJ]
         m_j = o_jj < j_hi
         b_g = tl.load(G + i_q * s_gi + o_jj * s_gj, mask=m_j, other=0.0)               # [BJ]
-        p_arg = ARG + (i_q * n_j + o_jj[:, None]) * lq + o_s[None, :]
+        p_arg = ARG + i_q * s_ai + o_jj[:, None] * lq + o_s[None, :]
         b_a = tl.load(p_arg, mask=m_j[:, None] & m_s[None, :], other=-1).to(tl.int32)  # [BJ, BS]
         m_a = b_a >= 0
         m_ah = m_a[:, :, None] & m_h[None, None, :]
@@ -148,8 +148,9 @@ def maxsim_bwd_doc_kernel(
         if NORMALIZE:
             b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_r, other=0.0)
         b_w = tl.where(b_a[None, :] == o_t[:, None], b_g[None, :], 0.0)                 # [BT, BR] one-hot * g
+        # rows without a winner (masked query tokens) are not loaded: 0 * NaN must not leak
         b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
-                      mask=m_r[:, None] & m_h[None, :], other=0.0)                        # [BR, DP]
+                      mask=(m_r & (b_a >= 0))[:, None] & m_h[None, :], other=0.0)         # [BR, DP]
         if F32_DOT or UPCAST:
             b_acc = tl.dot(b_w, b_q.to(tl.float32), b_acc, input_precision=PRECISION)
         else:

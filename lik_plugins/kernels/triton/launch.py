@@ -21,6 +21,9 @@ TARGET_BLOCK_M = 128
 # The gather backward splits each query's documents until about this many programs run
 # (two waves of an H100's 132 SMs); larger batches need no split.
 GATHER_TARGET_PROGRAMS = 264
+# Largest fp32 grad_D buffer the unified backward allocates for the cross product; more
+# documents are scattered slab by slab.  4 MiB keeps its peak at the lowmem level.
+UNIFIED_BUFFER_BYTES = 4 << 20
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -136,6 +139,59 @@ def _project_into(g32, X, inv_norm, out):
     )
 
 
+def _finish_grad_d(g32, D, rd, out, normalize):
+    if normalize:
+        _project_into(g32, D, rd, out)
+    else:
+        out.copy_(g32)
+
+
+def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
+    """One launch of the gather kernel: grad_Q (if ``grad_q``) and/or the atomic scatter
+    into the fp32 ``gd32`` (if given) over the documents of ``D`` (a view: ``grad``,
+    ``argmax`` and ``rd`` are sliced alike)."""
+    nq, lq, dim = Q.shape
+    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
+    s_di, s_dj, s_dt, s_dh = (0, *D.stride()) if cross else D.stride()
+    s_rdi, s_rdj = ((0, rd.stride(0)) if cross else (rd.stride(0), rd.stride(1))) if normalize else (0, 0)
+    d_pad = max(16, next_pow2(dim))
+    device = Q.device
+    placeholder = _placeholder(device, torch.float32)
+    need_q = grad_q is not None
+    scatter = gd32 is not None
+    block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
+    # ~64 gathered rows per step (fewer for wide embeddings: registers)
+    block_j = max(1, min(next_pow2(nj), max(1, 8192 // (block_s * d_pad))))
+    base_programs = nq * _cdiv(lq, block_s)
+    j_steps = _cdiv(nj, block_j)
+    n_split = max(1, min(j_steps, GATHER_TARGET_PROGRAMS // base_programs))
+    j_per_split = _cdiv(j_steps, n_split) * block_j
+    n_split = _cdiv(nj, j_per_split)
+    partial = need_q and n_split > 1
+    gq_out = grad_q
+    if partial:
+        gq_out = torch.empty((n_split, nq, lq, dim), dtype=torch.float32, device=device)
+    maxsim_bwd_gather_kernel[(base_programs * n_split,)](
+        grad, Q, D, rq, rd, argmax, gq_out if gq_out is not None else placeholder,
+        gd32 if gd32 is not None else placeholder,
+        nq, nj, lq, ld, dim,
+        grad.stride(0), grad.stride(1),
+        Q.stride(0), Q.stride(1), Q.stride(2),
+        s_di, s_dj, s_dt, s_dh,
+        s_rdi, s_rdj,
+        0 if cross else nj * ld * dim, ld * dim, argmax.stride(0),
+        n_split, j_per_split,
+        NEED_Q=need_q, SCATTER_D=scatter, NORMALIZE=bool(normalize), PARTIAL=partial,
+        BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
+    )
+    if partial:
+        summed = gq_out.sum(0)
+        if normalize:
+            _project_into(summed, Q, rq, grad_q)
+        else:
+            grad_q.copy_(summed)
+
+
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
     """``strategy``: ``"lowmem"`` (destination-owned grad_D, deterministic, no fp32 buffer)
     or ``"unified"`` (gather + atomic scatter in one pass over the argmax)."""
@@ -165,48 +221,33 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
         return grad_q, grad_d
 
     scatter = need_d and strategy == "unified"
-    gd32 = None
-    if scatter:
-        gd32 = grad_d if (D.dtype == torch.float32 and not normalize) else torch.empty(D.shape, dtype=torch.float32, device=device)
-        gd32.zero_()
+    # fp32 inputs without normalisation scatter straight into grad_D; otherwise an fp32
+    # buffer is needed, and for the cross product it is bounded by scattering a slab of
+    # documents at a time (grad_Q then gets its own gather pass).
+    direct = scatter and D.dtype == torch.float32 and not normalize
+    slab = nj
+    if scatter and not direct and cross:
+        slab = max(1, min(nj, UNIFIED_BUFFER_BYTES // max(ld * dim * 4, 1)))
+    if direct:
+        grad_d.zero_()
     if need_q or scatter:
-        block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
-        # ~64 gathered rows per step (fewer for wide embeddings: registers)
-        block_j = max(1, min(next_pow2(nj), max(1, 8192 // (block_s * d_pad))))
-        base_programs = nq * _cdiv(lq, block_s)
-        j_steps = _cdiv(nj, block_j)
-        n_split = max(1, min(j_steps, GATHER_TARGET_PROGRAMS // base_programs))
-        j_per_split = _cdiv(j_steps, n_split) * block_j
-        n_split = _cdiv(nj, j_per_split)
-        partial = need_q and n_split > 1
-        gq_out = grad_q
-        if partial:
-            gq_out = torch.empty((n_split, nq, lq, dim), dtype=torch.float32, device=device)
-        maxsim_bwd_gather_kernel[(base_programs * n_split,)](
-            grad, Q, D, rq, rd, argmax, gq_out if gq_out is not None else placeholder,
-            gd32 if gd32 is not None else placeholder,
-            nq, nj, lq, ld, dim,
-            grad.stride(0), grad.stride(1),
-            Q.stride(0), Q.stride(1), Q.stride(2),
-            s_di, s_dj, s_dt, s_dh,
-            s_rdi, s_rdj,
-            0 if cross else nj * ld * dim, ld * dim,
-            n_split, j_per_split,
-            NEED_Q=need_q, SCATTER_D=scatter, NORMALIZE=bool(normalize), PARTIAL=partial,
-            BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
-        )
-        if partial:
-            summed = gq_out.sum(0)
-            if normalize:
-                _project_into(summed, Q, rq, grad_q)
-            else:
-                grad_q.copy_(summed)
-    if scatter:
-        if normalize:
-            _project_into(gd32, D, rd, grad_d)
-        elif gd32 is not grad_d:
-            grad_d.copy_(gd32)
-    elif need_d:
+        one_pass = scatter and slab == nj
+        gd32 = None
+        if one_pass:
+            gd32 = grad_d if direct else torch.zeros(D.shape, dtype=torch.float32, device=device)
+        if need_q or one_pass:
+            _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, cross=cross, normalize=normalize)
+        if one_pass and not direct:
+            _finish_grad_d(gd32, D, rd, grad_d, normalize)
+        if scatter and not one_pass:
+            buffer = torch.empty((slab, ld, dim), dtype=torch.float32, device=device)
+            for j0 in range(0, nj, slab):
+                j1 = min(nj, j0 + slab)
+                chunk = buffer[: j1 - j0].zero_()
+                _gather_pass(grad[:, j0:j1], Q, D[j0:j1], argmax[:, j0:j1], rq, rd[j0:j1] if normalize else rd,
+                             None, chunk, cross=True, normalize=normalize)
+                _finish_grad_d(chunk, D[j0:j1], rd[j0:j1] if normalize else rd, grad_d[j0:j1], normalize)
+    if need_d and not scatter:
         n_docs = nj if cross else nq * nj
         kernel, meta = doc_kernel_and_meta(d_pad=d_pad, n_programs_at_64=n_docs * _cdiv(ld, 64))
         kernel[lambda m: (n_docs * _cdiv(ld, m["BLOCK_T"]),)](

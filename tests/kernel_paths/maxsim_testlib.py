@@ -1,4 +1,4 @@
-"""Shared helpers for the core-op tests (``tests/kernels``, ``tests/ops``).
+"""Shared helpers for the core-op tests (``tests/kernel_paths``, ``tests/ops``).
 
 Every numeric check runs the public op on fresh random inputs (masks with holes, a fully
 masked query, a fully masked document, a document whose similarities with one valid
