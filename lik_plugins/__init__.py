@@ -4,6 +4,7 @@ Importing this package is cheap: it never imports Triton, PyLate or colpali-engi
 eagerly.  Public surface::
 
     maxsim, maxsim_pairs, retrieve, MaxSimScorer      # the ops
+    smooth_maxsim                                     # fused tau * logsumexp(s / tau) over doc tokens
     routing_counts, reset_routing_counts              # which path served each call
     patch_pylate, unpatch_pylate                      # PyLate integration
     patch_colpali_engine, unpatch_colpali_engine      # colpali-engine integration
@@ -21,6 +22,7 @@ _LAZY = {
     "maxsim_pairs": ("lik_plugins.ops", "maxsim_pairs"),
     "retrieve": ("lik_plugins.ops", "retrieve"),
     "MaxSimScorer": ("lik_plugins.modules", "MaxSimScorer"),
+    "smooth_maxsim": ("lik_plugins.kernels.smoothmax", "smooth_maxsim"),
     "patch_pylate": ("lik_plugins.pylate", "patch_pylate"),
     "unpatch_pylate": ("lik_plugins.pylate", "unpatch_pylate"),
     "patch_colpali_engine": ("lik_plugins.colpali", "patch_colpali_engine"),

@@ -12,6 +12,11 @@ between two calls in the same process.
                             (this is how CI runs the real kernels).
 ``LIK_CHUNK_ELEMENTS``      element budget of one similarity chunk on the chunked path
                             (default 2**24, i.e. 64 MB of fp32 scratch).
+``PYLATE_SCORES_BACKEND``   PyLate's own selector, honoured by the patch on every release:
+                            ``lik`` (ours), ``torch`` (PyLate's path), ``auto`` (ours where
+                            it applies); ``lik``/``auto`` also activate the patch at start-up.
+``COLPALI_SCORES_BACKEND``  the same for colpali-engine (``auto`` | ``torch`` | ``lik``; any
+                            other value raises colpali's own ``ValueError``).
 ==========================  =========================================================
 """
 from __future__ import annotations
@@ -44,3 +49,9 @@ def triton_interpret() -> bool:
 
 def chunk_elements() -> int:
     return int(os.environ.get("LIK_CHUNK_ELEMENTS", str(1 << 24)))
+
+
+def scores_backend(variable: str, default: str = "auto") -> str:
+    """A host's ``*_SCORES_BACKEND`` value, lower-cased and otherwise as the host reads it
+    (validation is the host adapter's: each host has its own accepted values and error)."""
+    return os.environ.get(variable, default).lower()

@@ -6,11 +6,9 @@ so every adapter casts back to it.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .._config import disabled
+from .._config import disabled, scores_backend
 
 # COLPALI_SCORES_BACKEND, as colpali-engine >= 0.3.17 parses it (read on every call).
 BACKEND_VAR = "COLPALI_SCORES_BACKEND"
@@ -19,7 +17,7 @@ VALID_BACKENDS = ("auto", "torch", "lik")
 
 def backend_mode() -> str:
     """``auto`` (default) | ``torch`` | ``lik``; any other value raises colpali's ValueError."""
-    value = os.environ.get(BACKEND_VAR, "auto").lower()
+    value = scores_backend(BACKEND_VAR)
     if value not in VALID_BACKENDS:
         raise ValueError(f"{BACKEND_VAR} must be one of {VALID_BACKENDS}, got {value!r}.")
     return value
