@@ -134,7 +134,7 @@ def _out_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
 def _check_embeddings(Q: torch.Tensor, D: torch.Tensor, d_dim: int) -> str | None:
     if Q.dim() != 3 or D.dim() != d_dim:
-        return f"expected {3}-D queries and {d_dim}-D documents, got {Q.dim()}-D and {D.dim()}-D"
+        return f"expected 3-D queries and {d_dim}-D documents, got {Q.dim()}-D and {D.dim()}-D"
     if Q.dtype != D.dtype or Q.dtype not in SUPPORTED_DTYPES:
         return f"dtypes {Q.dtype} / {D.dtype} (supported: float16, bfloat16, float32, both the same)"
     if Q.device != D.device:

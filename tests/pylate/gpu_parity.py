@@ -6,7 +6,9 @@ For ``Contrastive``, ``CachedContrastive`` and ``Distillation``, in fp32 and bf1
 forward + backward of the real PyLate loss on a random offline ColBERT (BERT 4x256,
 embedding 128, Lq=32, Ld=128, batch 16, one hard negative / three KD candidates):
 
-* fp32: patched vs vanilla, loss and every parameter gradient;
+* fp32: patched vs vanilla (IEEE fp32 einsum), loss and every parameter gradient
+  (bar: 5e-4 relative loss, 5e-3 relative gradient norm -- TF32-level; ``ieee_level``
+  says whether it is also within 1e-5);
 * bf16: the bar follows the host -- our distance to the fp32 vanilla oracle must stay
   within 2x PyLate's own bf16 distance to it (plus a small floor), since MaxSim's
   argmax ties make bit-equality meaningless in bf16.
@@ -132,8 +134,10 @@ def main(out_path: str) -> int:
             unpatch_pylate()
 
             fp32 = distance(results["fp32"], oracle)
-            fp32_ok = (fp32["loss_abs"] <= 1e-4 * max(1.0, abs(oracle["loss"])) and fp32["grad_rel"] <= 1e-3
+            # the bar allows TF32 products inside the kernel (~1e-3 relative per dot product)
+            fp32_ok = (fp32["loss_abs"] <= 5e-4 * max(1.0, abs(oracle["loss"])) and fp32["grad_rel"] <= 5e-3
                        and not fp32["missing_grads"])
+            fp32["ieee_level"] = fp32["loss_abs"] <= 1e-5 * max(1.0, abs(oracle["loss"])) and fp32["grad_rel"] <= 1e-5
             ours = distance(results["bf16"], oracle)
             host = distance(vanilla_bf16, oracle)
             bf16_ok = (ours["loss_abs"] <= 2 * host["loss_abs"] + 1e-2 and ours["grad_rel"] <= 2 * host["grad_rel"] + 1e-3
