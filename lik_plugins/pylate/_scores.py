@@ -19,12 +19,11 @@ every call to PyLate's original code (a request for ``lik`` becomes ``torch`` th
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 
-from .._config import disabled
+from .._config import disabled, scores_backend
 from .._routing import record
 from ._layout import PyLateLayout
 
@@ -55,11 +54,9 @@ def requested_backend(backend: str | None) -> str:
     layout = _layout
     if layout is not None and layout.resolve_backend is not None:
         return layout.resolve_backend(backend)
-    if backend is None:
-        backend = os.environ.get("PYLATE_SCORES_BACKEND", "auto")
-    value = backend.lower()
+    value = scores_backend("PYLATE_SCORES_BACKEND") if backend is None else backend.lower()
     if value not in ACCEPTED_BACKENDS:
-        raise ValueError(f"backend must be one of 'auto', 'torch', 'flash', 'lik'; got {backend!r}")
+        raise ValueError(f"backend must be one of 'auto', 'torch', 'flash', 'lik'; got {value!r}")
     return value
 
 
@@ -96,7 +93,7 @@ def _dispatch(entry: str, name: str, args: tuple, backend: str | None, prepare: 
         choice = None
         if layout is not None and layout.has_backend:
             # Only translate a ``lik`` request; everything else goes through untouched.
-            requested = backend if backend is not None else os.environ.get("PYLATE_SCORES_BACKEND", "auto")
+            requested = backend if backend is not None else scores_backend("PYLATE_SCORES_BACKEND")
             choice = "lik" if isinstance(requested, str) and requested.lower() == "lik" else None
         return _call_original(entry, original, args, backend, choice)
     choice = requested_backend(backend)
