@@ -195,13 +195,15 @@ def bench_one(impl, shape: Shape, input_sets, ref32, reps):
     return ms, peak, err
 
 
-def run(out_dir: str, quick: bool, runs: int):
+def run(out_dir: str, quick: bool, runs: int, only: str | None = None):
     torch.backends.cuda.matmul.allow_tf32 = False
     impls = implementations()
     ceilings = measure_ceilings()
     print(f"[bench] ceilings: {ceilings}")
     rows = []
     shapes = SHAPES[:3] + SHAPES[4:5] + SHAPES[8:9] if quick else SHAPES
+    if only:
+        shapes = [s for s in SHAPES if any(part in s.name for part in only.split(","))]
     for shape in shapes:
         in_bytes = flops_bytes(shape)[1]
         # rotate enough input copies that they do not all fit in the 50 MB L2
@@ -313,5 +315,6 @@ if __name__ == "__main__":
     ap.add_argument("out_dir")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--only", help="comma-separated substrings of shape names")
     args = ap.parse_args()
-    run(args.out_dir, args.quick, args.runs)
+    run(args.out_dir, args.quick, args.runs, args.only)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
-# Run on the device machine from the repo root:  bash benchmarks/run_gpu.sh [kernels|hosts|all] [--quick]
+# Run on the device machine from the repo root:
+#   bash benchmarks/run_gpu.sh [kernels|parity|e2e|hosts|all] [bench_kernels.py options]
 # Peers and host libraries come from wheels in .whl/ (the machine has no network).
 # Results (JSON + Markdown + logs) go to $OUT (default: benchmarks/results/latest).
 set -uo pipefail
@@ -24,12 +25,19 @@ if [[ $stage == kernels || $stage == all ]]; then
   python3 benchmarks/bench_kernels.py "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -30
 fi
 
-if [[ $stage == hosts || $stage == all ]]; then
-  # PyLate 1.6.0 / colpali-engine 0.3.18 with the transformers / sentence-transformers they pin
+# hosts: PyLate 1.6.0 / colpali-engine 0.3.18 with the transformers / sentence-transformers they pin
+host_env() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hosts .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/hosts:$PWD HF_HUB_OFFLINE=1
-  timeout 120 python3 tests/pylate/gpu_parity.py "$OUT/pylate_gpu_parity.json" 2>&1 | tail -12
-  timeout 120 python3 tests/colpali/gpu_parity.py "$OUT/colpali_gpu_parity.json" 2>&1 | tail -12
+}
+if [[ $stage == parity || $stage == hosts || $stage == all ]]; then
+  host_env
+  timeout 150 python3 tests/pylate/gpu_parity.py "$OUT/pylate_gpu_parity.json" 2>&1 | tail -12
+  timeout 150 python3 tests/colpali/gpu_parity.py "$OUT/colpali_gpu_parity.json" 2>&1 | tail -12
   timeout 170 python3 benchmarks/colpali_heads.py "$OUT" 2>&1 | tail -20
-  timeout 200 python3 benchmarks/pylate_e2e.py "$OUT" --budget-s 170 2>&1 | tail -20
+fi
+if [[ $stage == e2e || $stage == hosts || $stage == all ]]; then
+  host_env
+  timeout 200 python3 benchmarks/pylate_e2e.py "$OUT" --budget-s 150 2>&1 | tail -20
+  timeout 200 python3 benchmarks/colpali_e2e.py "$OUT" --budget-s 150 2>&1 | tail -20
 fi
