@@ -38,6 +38,6 @@ if [[ $stage == parity || $stage == hosts || $stage == all ]]; then
 fi
 if [[ $stage == e2e || $stage == hosts || $stage == all ]]; then
   host_env
-  timeout 200 python3 benchmarks/pylate_e2e.py "$OUT" --budget-s 150 2>&1 | tail -20
-  timeout 200 python3 benchmarks/colpali_e2e.py "$OUT" --budget-s 150 2>&1 | tail -20
+  timeout 170 python3 benchmarks/pylate_e2e.py "$OUT" --budget-s 120 2>&1 | tail -20
+  timeout 170 python3 benchmarks/colpali_e2e.py "$OUT" --budget-s 120 2>&1 | tail -20
 fi
