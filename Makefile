@@ -21,7 +21,7 @@ venv: $(STAMP)
 # Re-runs only when a requirements file or pyproject.toml changes.
 # pylate/colpali-engine go in with --no-deps: their metadata would pull fast-plaid
 # (-> CUDA torch 2.11) and torchvision (broken beside torch 2.13.0+cpu).
-$(STAMP): $(REQS) pyproject.toml setup.py
+$(STAMP): $(REQS) pyproject.toml setup.py lik_plugins_autoactivate.pth
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -r ci/requirements-ci.txt
 	$(PIP) install --no-deps -r ci/requirements-nodeps.txt
