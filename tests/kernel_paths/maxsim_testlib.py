@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 
+import pytest
 import torch
 
 import lik_plugins as lik
@@ -215,3 +216,21 @@ def tied_inputs(gen, layout, nq, nj, lq, ld, d, copies):
         rows[0, t] = target
     Q = 2 * target + ints(nq, lq, d, lo=-1, hi=2)
     return Q, D
+
+
+# ---------------------------------------------------------------- shared fixtures
+# (imported by tests/kernel_paths/conftest.py and tests/ops/conftest.py)
+LIK_VARS = ("LIK_DISABLE", "LIK_BACKEND", "LIK_CHUNK_ELEMENTS")
+
+
+@pytest.fixture(autouse=True)
+def _clean_lik_env(monkeypatch):
+    """Every test starts with the library's switches unset (default routing)."""
+    for var in LIK_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def gen(request) -> "torch.Generator":
+    """Fresh random inputs per test (seeded from the test id, so reproducible)."""
+    return generator(seed_of(request.node.nodeid))

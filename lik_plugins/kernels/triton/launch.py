@@ -56,6 +56,14 @@ def _mask_bytes(mask: torch.Tensor | None, device) -> torch.Tensor:
     return mask.view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
 
 
+def _doc_view(D, cross):
+    """(documents per query, Ld, strides (query, document, token, dim)) of ``D``: in the
+    cross product every query sees the same documents (query stride 0)."""
+    if cross:
+        return D.shape[0], D.shape[1], (0, *D.stride())
+    return D.shape[1], D.shape[2], tuple(D.stride())
+
+
 def row_blocking(lq: int, nq: int, cross: bool) -> tuple[int, int, int]:
     """(ROWS_PER_Q, QPB, n_chunks): query tokens per query slot, query slots per program,
     row chunks per query.  Powers of two; BLOCK_M = ROWS_PER_Q * QPB >= 16 (MMA minimum)."""
@@ -70,12 +78,7 @@ def row_blocking(lq: int, nq: int, cross: bool) -> tuple[int, int, int]:
 
 def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     nq, lq, dim = Q.shape
-    if cross:
-        nj, ld = D.shape[0], D.shape[1]
-        s_di, s_dj, s_dt, s_dh = 0, D.stride(0), D.stride(1), D.stride(2)
-    else:
-        nj, ld = D.shape[1], D.shape[2]
-        s_di, s_dj, s_dt, s_dh = D.stride()
+    nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     device = Q.device
     rows, qpb, n_chunks = row_blocking(lq, nq, cross)
     n_qblocks = _cdiv(nq, qpb)
@@ -152,8 +155,7 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
     into the fp32 ``gd32`` (if given) over the documents of ``D`` (a view: ``grad``,
     ``argmax`` and ``rd`` are sliced alike)."""
     nq, lq, dim = Q.shape
-    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
-    s_di, s_dj, s_dt, s_dh = (0, *D.stride()) if cross else D.stride()
+    nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     s_rdi, s_rdj = ((0, rd.stride(0)) if cross else (rd.stride(0), rd.stride(1))) if normalize else (0, 0)
     d_pad = max(16, next_pow2(dim))
     device = Q.device
@@ -197,12 +199,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
     """``strategy``: ``"lowmem"`` (destination-owned grad_D, deterministic, no fp32 buffer)
     or ``"unified"`` (gather + atomic scatter in one pass over the argmax)."""
     nq, lq, dim = Q.shape
-    if cross:
-        nj, ld = D.shape[0], D.shape[1]
-        s_di, s_dj, s_dt, s_dh = 0, D.stride(0), D.stride(1), D.stride(2)
-    else:
-        nj, ld = D.shape[1], D.shape[2]
-        s_di, s_dj, s_dt, s_dh = D.stride()
+    nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     device = Q.device
     grad = grad.to(torch.float32)
     placeholder = _placeholder(device, torch.float32)
