@@ -32,7 +32,11 @@ import math
 
 import torch
 
-from .._config import chunk_elements, triton_interpret
+from .._config import chunk_elements, forced_backend, triton_interpret
+
+# The fused kernel keeps a [rows, d] query tile and its gradient on chip: wider embeddings
+# are served by the chunked path (unless LIK_BACKEND=triton asks for the kernel explicitly).
+FUSED_MAX_DIM = 256
 
 LAYOUTS = ("cross", "candidates", "pairs")
 
@@ -134,10 +138,14 @@ def _chunked_backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, ne
 # --------------------------------------------------------------------------- dispatch
 def served_by(t: torch.Tensor) -> str:
     """The path that serves a smooth-max call on tensors like ``t`` right now:
-    ``"triton"``, ``"torch-chunked"`` or ``"reference"`` (the core ops' dispatch rules)."""
+    ``"triton"``, ``"torch-chunked"`` or ``"reference"`` (the core ops' dispatch rules,
+    plus: embeddings wider than ``FUSED_MAX_DIM`` go to the chunked path under ``auto``)."""
     from .dispatch import served_by as core_served_by
 
-    return core_served_by(t)
+    path = core_served_by(t)
+    if path == "triton" and t.shape[-1] > FUSED_MAX_DIM and forced_backend() != "triton":
+        return "torch-chunked"
+    return path
 
 
 def _triton_module():

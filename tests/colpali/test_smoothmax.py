@@ -85,3 +85,24 @@ def test_argument_errors():
         smooth_maxsim(Q, torch.randn(2, 4, 7), tau=0.1)
     with pytest.raises(ValueError, match="one entry per query"):
         smooth_maxsim(Q, torch.randn(3, 4, 8), tau=0.1, layout="pairs")
+
+
+def test_wide_embeddings_go_to_the_chunked_path(monkeypatch):
+    """d > 256 does not fit the fused kernel's on-chip tile: under ``auto`` the chunked
+    path serves it (and gives the reference result); only an explicit
+    ``LIK_BACKEND=triton`` asks for the kernel."""
+    from lik_plugins.kernels import dispatch
+    from lik_plugins.kernels import smoothmax as sm
+
+    monkeypatch.delenv("LIK_BACKEND", raising=False)
+    monkeypatch.setattr(dispatch, "served_by", lambda t: "triton")
+    assert sm.served_by(torch.empty(2, 3, 128)) == "triton"
+    assert sm.served_by(torch.empty(2, 3, 300)) == "torch-chunked"
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    assert sm.served_by(torch.empty(2, 3, 300)) == "triton"
+    monkeypatch.undo()
+    g = torch.Generator().manual_seed(3)
+    Q, D = torch.randn(2, 3, 300, generator=g), torch.randn(4, 5, 300, generator=g)
+    got = sm.smooth_maxsim(Q, D, tau=0.1)
+    want = sm.smooth_maxsim_reference(Q.double(), D.double(), tau=0.1)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)

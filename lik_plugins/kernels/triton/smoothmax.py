@@ -31,7 +31,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-MAX_DIM = 256
+from ..smoothmax import FUSED_MAX_DIM as MAX_DIM
 
 
 def _next_pow2(n: int) -> int:
