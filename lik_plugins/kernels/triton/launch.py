@@ -64,6 +64,13 @@ def _doc_view(D, cross):
     return D.shape[1], D.shape[2], tuple(D.stride())
 
 
+def _norm_strides(rd, cross, normalize):
+    """(query, document) strides of the document inverse norms (zeros when unused)."""
+    if not normalize:
+        return 0, 0
+    return (0, rd.stride(0)) if cross else (rd.stride(0), rd.stride(1))
+
+
 def row_blocking(lq: int, nq: int, cross: bool) -> tuple[int, int, int]:
     """(ROWS_PER_Q, QPB, n_chunks): query tokens per query slot, query slots per program,
     row chunks per query.  Powers of two; BLOCK_M = ROWS_PER_Q * QPB >= 16 (MMA minimum)."""
@@ -95,12 +102,8 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     placeholder = _placeholder(device, torch.float32)
     rq = inverse_norms(Q) if normalize else placeholder
     rd = inverse_norms(D) if normalize else placeholder
-    if cross:
-        s_dmi, s_dmj, s_dmt = (0, dm.stride(0), dm.stride(1)) if d_mask is not None else (0, 0, 0)
-        s_rdi, s_rdj = (0, rd.stride(0)) if normalize else (0, 0)
-    else:
-        s_dmi, s_dmj, s_dmt = dm.stride() if d_mask is not None else (0, 0, 0)
-        s_rdi, s_rdj = (rd.stride(0), rd.stride(1)) if normalize else (0, 0)
+    s_dmi, s_dmj, s_dmt = (0, 0, 0) if d_mask is None else ((0, *dm.stride()) if cross else dm.stride())
+    s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
     s_qmi, s_qms = qm.stride() if q_mask is not None else (0, 0)
 
     d_pad = max(16, next_pow2(dim))
@@ -156,7 +159,7 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
     ``argmax`` and ``rd`` are sliced alike)."""
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
-    s_rdi, s_rdj = ((0, rd.stride(0)) if cross else (rd.stride(0), rd.stride(1))) if normalize else (0, 0)
+    s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
     d_pad = max(16, next_pow2(dim))
     device = Q.device
     placeholder = _placeholder(device, torch.float32)
@@ -205,7 +208,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
     placeholder = _placeholder(device, torch.float32)
     rq = inverse_norms(Q) if normalize else placeholder
     rd = inverse_norms(D) if normalize else placeholder
-    s_rdi, s_rdj = ((0, rd.stride(0)) if cross else (rd.stride(0), rd.stride(1))) if normalize else (0, 0)
+    s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
     d_pad = max(16, next_pow2(dim))
     grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if need_q else None
     grad_d = None
@@ -242,9 +245,10 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
             for j0 in range(0, nj, slab):
                 j1 = min(nj, j0 + slab)
                 chunk = buffer[: j1 - j0].zero_()
-                _gather_pass(grad[:, j0:j1], Q, D[j0:j1], argmax[:, j0:j1], rq, rd[j0:j1] if normalize else rd,
+                rd_slab = rd[j0:j1] if normalize else rd
+                _gather_pass(grad[:, j0:j1], Q, D[j0:j1], argmax[:, j0:j1], rq, rd_slab,
                              None, chunk, cross=True, normalize=normalize)
-                _finish_grad_d(chunk, D[j0:j1], rd[j0:j1] if normalize else rd, grad_d[j0:j1], normalize)
+                _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
     if need_d and not scatter:
         n_docs = nj if cross else nq * nj
         kernel, meta = doc_kernel_and_meta(d_pad=d_pad, n_programs_at_64=n_docs * _cdiv(ld, 64))
@@ -256,7 +260,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
             s_di, s_dj, s_dt, s_dh,
             s_rdi, s_rdj,
             CROSS=cross, NORMALIZE=bool(normalize), F32_DOT=Q.dtype != torch.bfloat16,
-            PRECISION=_precision(Q.dtype) if Q.dtype == torch.float32 else "tf32",
+            PRECISION=_precision(Q.dtype),
             UPCAST=interpreting() and Q.dtype == torch.bfloat16,
             D_PAD=d_pad, **meta,
         )
