@@ -33,24 +33,35 @@ def choose_backward(strategy: str, *, cross: bool) -> str:
 
 
 class MaxSimFunction(torch.autograd.Function):
+    """``pairs``: ``D`` is ``[B, Ld, d]`` and the scores ``[B]``; the launchers see it as one
+    candidate per query.  The views are taken in here, not by the caller, so autograd
+    records one node per call instead of three (each node costs host time per step)."""
+
     @staticmethod
-    def forward(ctx, Q, D, q_mask, d_mask, cross, normalize, zero_mode, strategy, path):
+    def forward(ctx, Q, D, q_mask, d_mask, cross, normalize, zero_mode, strategy, path, pairs=False):
         impl = implementation(path)
         needs_grad = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        D_view = D.unsqueeze(1) if pairs else D
+        if pairs and d_mask is not None:
+            d_mask = d_mask.unsqueeze(1)
         scores, argmax = impl.forward(
-            Q, D, q_mask, d_mask, cross=cross, normalize=normalize, zero_mode=zero_mode, save_argmax=needs_grad
+            Q, D_view, q_mask, d_mask, cross=cross, normalize=normalize, zero_mode=zero_mode, save_argmax=needs_grad
         )
         if needs_grad:
             ctx.save_for_backward(Q, D, argmax)
-            ctx.config = (impl, cross, normalize, choose_backward(strategy, cross=cross))
-        return scores
+            ctx.config = (impl, cross, normalize, choose_backward(strategy, cross=cross), pairs)
+        return scores.squeeze(1) if pairs else scores
 
     @staticmethod
     def backward(ctx, grad_scores):
         Q, D, argmax = ctx.saved_tensors
-        impl, cross, normalize, strategy = ctx.config
+        impl, cross, normalize, strategy, pairs = ctx.config
+        if pairs:
+            D, grad_scores = D.unsqueeze(1), grad_scores.unsqueeze(1)
         grad_q, grad_d = impl.backward(
             grad_scores, Q, D, argmax, cross=cross, normalize=normalize,
             need_q=ctx.needs_input_grad[0], need_d=ctx.needs_input_grad[1], strategy=strategy,
         )
-        return grad_q, grad_d, None, None, None, None, None, None, None
+        if pairs and grad_d is not None:
+            grad_d = grad_d.squeeze(1)
+        return grad_q, grad_d, None, None, None, None, None, None, None, None

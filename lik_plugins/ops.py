@@ -53,7 +53,8 @@ def _check_mask(name: str, mask, shape: tuple[int, ...], device: torch.device) -
 
 
 def _prepare(Q, D, q_mask, d_mask, *, pairs: bool):
-    """Validate; return (Q, D, q_mask, d_mask, cross) with D 4-D for candidates/pairs."""
+    """Validate; return (Q, D, q_mask, d_mask, cross).  Pairs keep ``D`` 3-D: the
+    one-candidate view is taken inside the autograd Function (see :func:`_run`)."""
     _check_tensor("Q", Q, 3)
     if pairs:
         _check_tensor("D", D, 3)
@@ -71,8 +72,6 @@ def _prepare(Q, D, q_mask, d_mask, *, pairs: bool):
         if D.shape[0] != nq:
             raise ValueError(f"maxsim_pairs needs one document per query: Q has B={nq}, D has B={D.shape[0]}")
         d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:2]), D.device)
-        D = D.unsqueeze(1)
-        d_mask = None if d_mask is None else d_mask.unsqueeze(1)
         return Q, D, q_mask, d_mask, False
     if D.dim() == 4 and D.shape[0] != nq:
         raise ValueError(
@@ -82,20 +81,25 @@ def _prepare(Q, D, q_mask, d_mask, *, pairs: bool):
     return Q, D, q_mask, d_mask, D.dim() == 3
 
 
-def _run(entry, Q, D, q_mask, d_mask, cross, *, normalize, backward, mask_mode):
+def _run(entry, Q, D, q_mask, d_mask, cross, *, normalize, backward, mask_mode, pairs=False):
     path = served_by(Q)
     if entry is not None:
         _routing.record(entry, path)
-    if path == "reference":
-        # The plain formulation (kill switch, or LIK_BACKEND=reference), in the inputs' dtype.
-        out = reference.maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
-        return out if out.dtype == torch.float64 else out.float()
-    if not (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)):
-        # Nothing to differentiate: skip the autograd machinery (it costs ~20 us a call).
-        scores, _ = implementation(path).forward(Q, D, q_mask, d_mask, cross=cross, normalize=bool(normalize),
-                                                 zero_mode=mask_mode == "zero", save_argmax=False)
-        return scores
-    return MaxSimFunction.apply(Q, D, q_mask, d_mask, cross, bool(normalize), mask_mode == "zero", backward, path)
+    if path == "reference" or not (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)):
+        if pairs:
+            D = D.unsqueeze(1)
+            d_mask = None if d_mask is None else d_mask.unsqueeze(1)
+        if path == "reference":
+            # The plain formulation (kill switch, or LIK_BACKEND=reference), in the inputs' dtype.
+            out = reference.maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
+            out = out if out.dtype == torch.float64 else out.float()
+        else:
+            # Nothing to differentiate: skip the autograd machinery (it costs ~20 us a call).
+            out, _ = implementation(path).forward(Q, D, q_mask, d_mask, cross=cross, normalize=bool(normalize),
+                                                  zero_mode=mask_mode == "zero", save_argmax=False)
+        return out.squeeze(1) if pairs else out
+    return MaxSimFunction.apply(Q, D, q_mask, d_mask, cross, bool(normalize), mask_mode == "zero", backward, path,
+                                pairs)
 
 
 def maxsim(
@@ -163,8 +167,8 @@ def maxsim_pairs(
     """
     _check_options(backward, mask_mode)
     Q, D, q_mask, d_mask, _ = _prepare(Q, D, q_mask, d_mask, pairs=True)
-    out = _run("maxsim_pairs", Q, D, q_mask, d_mask, False, normalize=normalize, backward=backward, mask_mode=mask_mode)
-    return out.squeeze(1)
+    return _run("maxsim_pairs", Q, D, q_mask, d_mask, False, normalize=normalize, backward=backward,
+                mask_mode=mask_mode, pairs=True)
 
 
 def retrieve(

@@ -4,7 +4,8 @@
   the query's documents, gathers each row's winning document token for ``grad_Q``
   (registers, fp32, one write in the input dtype) and, for the ``unified`` strategy,
   scatters ``g * q`` into an fp32 ``grad_D`` buffer with atomics.
-* :func:`maxsim_bwd_doc_kernel` — ``lowmem``: destination-owned ``grad_D``.  One program
+* :func:`maxsim_bwd_doc_kernel` — ``lowmem``: destination-owned ``grad_D`` (and, in the
+  same launch, the gather for ``grad_Q`` when it needs no split).  One program
   per (document, tile of its tokens) collects every query row whose winner lies in its
   tile as a one-hot ``[BLOCK_T, BLOCK_R]`` x ``[BLOCK_R, d]`` product, so no atomics, no
   fp32 buffer, bitwise deterministic, written once in the input dtype.  (A prefix-sum
@@ -29,8 +30,9 @@ def _project(b_g, b_x, b_r):
     return (b_g - b_radial[:, None] * b_xh) * b_r[:, None]
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])
-def maxsim_bwd_gather_kernel(
+@triton.jit
+def _gather_body(
+    pid,
     G, Q, D, RQ, RD, ARG, GQ, GD32,
     n_q, n_j, lq, ld, dim,
     s_gi, s_gj,
@@ -46,7 +48,6 @@ def maxsim_bwd_gather_kernel(
     # instead of one dependent (argmax -> row) load chain per document.  Few queries
     # (rerank) split their documents over ``n_split`` programs; fp32 partials (PARTIAL)
     # are then summed on the host in a fixed order, so grad_Q stays deterministic.
-    pid = tl.program_id(0)
     n_sb = tl.cdiv(lq, BLOCK_S)
     i_split = pid % n_split
     pid = pid // n_split
@@ -104,8 +105,9 @@ def maxsim_bwd_gather_kernel(
             tl.store(p_gq, b_acc.to(GQ.dtype.element_ty), mask=m_sh)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])
-def maxsim_bwd_doc_kernel(
+@triton.jit
+def _doc_body(
+    pid,
     G, Q, D, RQ, RD, ARG, GD,
     n_q, n_j, lq, ld, dim,
     s_gi, s_gj,
@@ -116,7 +118,6 @@ def maxsim_bwd_doc_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     n_tb = tl.cdiv(ld, BLOCK_T)
     i_doc = (pid // n_tb).to(tl.int64)
     o_t = (pid % n_tb) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -165,6 +166,65 @@ def maxsim_bwd_doc_kernel(
         b_acc = _project(b_acc, b_d, b_rd)
     p_gd = GD + i_doc * ld * dim + o_t[:, None] * dim + o_h[None, :]
     tl.store(p_gd, b_acc.to(GD.dtype.element_ty), mask=m_t[:, None] & m_h[None, :])
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])
+def maxsim_bwd_gather_kernel(
+    G, Q, D, RQ, RD, ARG, GQ, GD32,
+    n_q, n_j, lq, ld, dim,
+    s_gi, s_gj,
+    s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh,
+    s_rdi, s_rdj,
+    s_gdi, s_gdj, s_ai,
+    n_split, j_per_split,
+    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
+):
+    _gather_body(
+        tl.program_id(0), G, Q, D, RQ, RD, ARG, GQ, GD32, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+        s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_gdi, s_gdj, s_ai, n_split, j_per_split,
+        NEED_Q, SCATTER_D, NORMALIZE, PARTIAL, BLOCK_J, BLOCK_S, D_PAD,
+    )
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_gather_programs"])
+def maxsim_bwd_doc_kernel(
+    G, Q, D, RQ, RD, ARG, GD, GQ,
+    n_q, n_j, lq, ld, dim,
+    s_gi, s_gj,
+    s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh,
+    s_rdi, s_rdj, s_ai,
+    n_gather_programs,
+    CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+    WITH_GATHER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """``lowmem`` grad_D; with ``WITH_GATHER`` the first ``n_gather_programs`` programs
+    compute grad_Q (the gather, unsplit) in the same launch: one launch less per step,
+    which is what bounds the small training shapes on the host."""
+    pid = tl.program_id(0)
+    if WITH_GATHER:
+        if pid < n_gather_programs:
+            _gather_body(
+                pid, G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+                s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, 0, 0, s_ai, 1, n_j,
+                True, False, NORMALIZE, False, BLOCK_J, BLOCK_S, D_PAD,
+            )
+        else:
+            _doc_body(
+                pid - n_gather_programs, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj,
+                s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION,
+                UPCAST, BLOCK_T, BLOCK_R, D_PAD,
+            )
+    else:
+        _doc_body(
+            pid, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+            s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST,
+            BLOCK_T, BLOCK_R, D_PAD,
+        )
 
 
 @triton.jit

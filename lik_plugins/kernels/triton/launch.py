@@ -19,8 +19,12 @@ MAX_ROWS_PER_Q = 128
 # Rows per program the forward aims for: 128 rows fill a Hopper warpgroup MMA twice over.
 TARGET_BLOCK_M = 128
 # The gather backward splits each query's documents until about this many programs run
-# (two waves of an H100's 132 SMs); larger batches need no split.
+# (two waves of an H100's 132 SMs), but only when fewer than GATHER_SPLIT_BELOW programs
+# would run otherwise (rerank, search): a split costs three more host-side ops (fp32
+# partials, their sum, a copy), ~0.1 ms on a slow host, which is more than the kernel time
+# it saves once every SM has half a program (measured: benchmarks/NOTES.md, v7).
 GATHER_TARGET_PROGRAMS = 264
+GATHER_SPLIT_BELOW = 64
 # Largest fp32 grad_D buffer the unified backward allocates for the cross product; more
 # documents are scattered slab by slab.  Slabs cost time (each is a launch with less
 # parallelism: 4 MiB measured 1.3-3x slower on an H100), so the cap is generous.
@@ -89,13 +93,14 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     device = Q.device
     rows, qpb, n_chunks = row_blocking(lq, nq, cross)
     n_qblocks = _cdiv(nq, qpb)
-    scores = torch.empty((n_chunks, nq, nj), dtype=torch.float32, device=device)
+    # one row chunk (Lq <= 128, the common case) writes the final scores directly
+    scores = torch.empty((nq, nj) if n_chunks == 1 else (n_chunks, nq, nj), dtype=torch.float32, device=device)
     argmax = None
     if save_argmax:
         arg_dtype = torch.int16 if ld < 2**15 else torch.int32
         argmax = torch.empty((nq, nj, lq), dtype=arg_dtype, device=device)
     if scores.numel() == 0 or lq == 0:
-        return scores.zero_().sum(0), (argmax.fill_(-1) if argmax is not None else None)
+        return scores.new_zeros((nq, nj)), (argmax.fill_(-1) if argmax is not None else None)
 
     qm = _mask_bytes(q_mask, device)
     dm = _mask_bytes(d_mask, device)
@@ -129,8 +134,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     )
     if after_launch is not None:
         after_launch()
-    out = scores[0] if n_chunks == 1 else scores.sum(0)
-    return out, argmax
+    return (scores if n_chunks == 1 else scores.sum(0)), argmax
 
 
 def _project_into(g32, X, inv_norm, out):
@@ -153,6 +157,20 @@ def _finish_grad_d(g32, D, rd, out, normalize):
         out.copy_(g32)
 
 
+def _gather_blocking(nq, nj, lq, d_pad):
+    """(BLOCK_S, BLOCK_J, programs per split, n_split, documents per split) of the gather."""
+    block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
+    # ~64 gathered rows per step (fewer for wide embeddings: registers)
+    block_j = max(1, min(next_pow2(nj), max(1, 8192 // (block_s * d_pad))))
+    base_programs = nq * _cdiv(lq, block_s)
+    j_steps = _cdiv(nj, block_j)
+    n_split = 1
+    if base_programs < GATHER_SPLIT_BELOW:
+        n_split = max(1, min(j_steps, GATHER_TARGET_PROGRAMS // base_programs))
+    j_per_split = _cdiv(j_steps, n_split) * block_j
+    return block_s, block_j, base_programs, _cdiv(nj, j_per_split), j_per_split
+
+
 def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
     """One launch of the gather kernel: grad_Q (if ``grad_q``) and/or the atomic scatter
     into the fp32 ``gd32`` (if given) over the documents of ``D`` (a view: ``grad``,
@@ -165,14 +183,7 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
     placeholder = _placeholder(device, torch.float32)
     need_q = grad_q is not None
     scatter = gd32 is not None
-    block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
-    # ~64 gathered rows per step (fewer for wide embeddings: registers)
-    block_j = max(1, min(next_pow2(nj), max(1, 8192 // (block_s * d_pad))))
-    base_programs = nq * _cdiv(lq, block_s)
-    j_steps = _cdiv(nj, block_j)
-    n_split = max(1, min(j_steps, GATHER_TARGET_PROGRAMS // base_programs))
-    j_per_split = _cdiv(j_steps, n_split) * block_j
-    n_split = _cdiv(nj, j_per_split)
+    block_s, block_j, base_programs, n_split, j_per_split = _gather_blocking(nq, nj, lq, d_pad)
     partial = need_q and n_split > 1
     gq_out = grad_q
     if partial:
@@ -204,22 +215,16 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     device = Q.device
-    grad = grad.to(torch.float32)
+    if grad.dtype != torch.float32:
+        grad = grad.float()
     placeholder = _placeholder(device, torch.float32)
     rq = inverse_norms(Q) if normalize else placeholder
     rd = inverse_norms(D) if normalize else placeholder
     s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
     d_pad = max(16, next_pow2(dim))
     grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if need_q else None
-    grad_d = None
-    if need_d:
-        grad_d = torch.empty(D.shape, dtype=D.dtype, device=device)
     if Q.numel() == 0 or D.numel() == 0 or grad.numel() == 0:
-        if grad_q is not None:
-            grad_q.zero_()
-        if grad_d is not None:
-            grad_d.zero_()
-        return grad_q, grad_d
+        return (None if grad_q is None else grad_q.zero_()), (D.new_zeros(D.shape) if need_d else None)
 
     scatter = need_d and strategy == "unified"
     # fp32 inputs without normalisation scatter straight into grad_D; otherwise an fp32
@@ -229,17 +234,28 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
     slab = nj
     if scatter and not direct and cross:
         slab = max(1, min(nj, UNIFIED_BUFFER_BYTES // max(ld * dim * 4, 1)))
-    if direct:
-        grad_d.zero_()
-    if need_q or scatter:
-        one_pass = scatter and slab == nj
+    one_pass = scatter and slab == nj
+    # Allocations are counted: on a slow host each torch call is tens of microseconds, and
+    # the small training shapes are bound by them.  The one-pass unified grad_D is the
+    # fp32 buffer cast once (no separate empty + copy).
+    grad_d = None
+    if need_d and not (one_pass and not direct and not normalize):
+        grad_d = torch.zeros(D.shape, dtype=D.dtype, device=device) if direct else \
+            torch.empty(D.shape, dtype=D.dtype, device=device)
+    # lowmem with both gradients and no split: grad_Q's gather rides in the grad_D launch
+    block_s, block_j, n_gather, n_split, _ = _gather_blocking(nq, nj, lq, d_pad)
+    fused_gather = need_q and need_d and not scatter and n_split == 1
+    if (need_q and not fused_gather) or scatter:
         gd32 = None
         if one_pass:
             gd32 = grad_d if direct else torch.zeros(D.shape, dtype=torch.float32, device=device)
         if need_q or one_pass:
             _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, cross=cross, normalize=normalize)
         if one_pass and not direct:
-            _finish_grad_d(gd32, D, rd, grad_d, normalize)
+            if normalize:
+                _project_into(gd32, D, rd, grad_d)
+            else:
+                grad_d = gd32.to(D.dtype)
         if scatter and not one_pass:
             buffer = torch.empty((slab, ld, dim), dtype=torch.float32, device=device)
             for j0 in range(0, nj, slab):
@@ -251,17 +267,25 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
                 _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
     if need_d and not scatter:
         n_docs = nj if cross else nq * nj
-        kernel, meta = doc_kernel_and_meta(d_pad=d_pad, n_programs_at_64=n_docs * _cdiv(ld, 64))
-        kernel[lambda m: (n_docs * _cdiv(ld, m["BLOCK_T"]),)](
-            grad, Q, D, rq, rd, argmax, grad_d,
+        n_gather = n_gather if fused_gather else 0
+        f32_dot = Q.dtype != torch.bfloat16
+        kernel, meta, after_launch = doc_kernel_and_meta(
+            d_pad=d_pad, n_programs_at_64=n_docs * _cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
+            normalize=normalize, with_gather=fused_gather, dtype=Q.dtype,
+        )
+        kernel[lambda m: (n_gather + n_docs * _cdiv(ld, m["BLOCK_T"]),)](
+            grad, Q, D, rq, rd, argmax, grad_d, grad_q if fused_gather else placeholder,
             nq, nj, lq, ld, dim,
             grad.stride(0), grad.stride(1),
             Q.stride(0), Q.stride(1), Q.stride(2),
             s_di, s_dj, s_dt, s_dh,
-            s_rdi, s_rdj,
-            CROSS=cross, NORMALIZE=bool(normalize), F32_DOT=Q.dtype != torch.bfloat16,
+            s_rdi, s_rdj, argmax.stride(0),
+            n_gather,
+            CROSS=cross, NORMALIZE=bool(normalize), F32_DOT=f32_dot,
             PRECISION=_precision(Q.dtype),
             UPCAST=interpreting() and Q.dtype == torch.bfloat16,
-            D_PAD=d_pad, **meta,
+            D_PAD=d_pad, WITH_GATHER=fused_gather, BLOCK_J=block_j, BLOCK_S=block_s, **meta,
         )
+        if after_launch is not None:
+            after_launch()
     return grad_q, grad_d

@@ -138,19 +138,29 @@ def _doc_prune(configs, named_args, **kwargs):
 
 _tuned_doc = triton.autotune(
     configs=_doc_configs(),
-    key=["CROSS", "D_PAD", "F32_DOT", "NORMALIZE"],
+    key=["CROSS", "D_PAD", "F32_DOT", "NORMALIZE", "WITH_GATHER"],
     prune_configs_by={"early_config_prune": _doc_prune},
     **_autotune_kwargs(),
 )(maxsim_bwd_doc_kernel)
 
 
-def doc_kernel_and_meta(*, d_pad, n_programs_at_64):
-    """lowmem grad_D kernel + meta.  The grid depends on BLOCK_T, so callers pass a grid
+def doc_kernel_and_meta(*, d_pad, n_programs_at_64, cross, f32_dot, normalize, with_gather, dtype):
+    """lowmem grad_D kernel, its meta-parameters and an after-launch callback, as
+    :func:`forward_kernel_and_meta`.  The grid depends on BLOCK_T, so callers pass a grid
     function of the meta-parameters."""
     if interpreting() or n_programs_at_64 < SMALL_LAUNCH_PROGRAMS:
         block_t = 64 if d_pad <= 128 else (32 if d_pad <= 256 else 16)
         meta = {"BLOCK_T": block_t, "BLOCK_R": 32 if d_pad <= 256 else 16}
         if not interpreting():
             meta.update(num_warps=4, num_stages=2)
-        return maxsim_bwd_doc_kernel, meta
-    return _tuned_doc, {}
+        return maxsim_bwd_doc_kernel, meta, None
+    key = ("doc", bool(cross), d_pad, bool(f32_dot), bool(normalize), bool(with_gather), dtype)
+    config = _chosen.get(key)
+    if config is not None:
+        return maxsim_bwd_doc_kernel, dict(config), None
+
+    def remember():
+        best = _tuned_doc.best_config
+        _chosen[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+
+    return _tuned_doc, {}, remember
