@@ -72,7 +72,7 @@ def kernels(step, reps=10):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--only", default="kd 64,pairs,colpali in-batch 64,colbert in-batch 256")
+    ap.add_argument("--only", default="kd 64,pairs,colpali in-batch 64,colbert in-batch 256,hard-neg")
     args = ap.parse_args()
     impls = implementations()
     impls.pop("eager", None)
@@ -106,8 +106,12 @@ def main():
                 pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
                 row["cprofile"] = s.getvalue()
                 print("\n".join(s.getvalue().splitlines()[:40]))
+    from lik_plugins.kernels.triton import tuning
+
+    chosen = {repr(k): v for k, v in tuning._chosen.items()}
+    print("autotuned configs:", json.dumps(chosen, indent=1))
     with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump({"steps": report, "autotuned": chosen}, f, indent=1)
 
 
 if __name__ == "__main__":
