@@ -11,6 +11,11 @@
   fp32 buffer, bitwise deterministic, written once in the input dtype.  (A prefix-sum
   compaction of the hitting rows was tried and measured 1.3-3x slower on an H100:
   see benchmarks/NOTES.md.)
+* :func:`maxsim_bwd_winners_kernel` — ``lowmem`` for candidates and pairs: each document
+  is owned by one query, so grad_D is zero-filled (memset speed) and only its winning rows
+  are written, duplicates summed by a tiny equality-matrix MMA (one writer per row).  On an
+  H100 the one-hot tile product above ran at 1.7x the time of the zero-fill alone on
+  256 x 16 hard negatives (benchmarks/NOTES.md, v7).
 * :func:`project_rows_kernel` — the normalisation Jacobian for an fp32 buffer.
 
 With ``NORMALIZE`` the kernels work on ``dL/dx_hat`` and apply
@@ -224,6 +229,95 @@ def maxsim_bwd_doc_kernel(
             pid, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
             s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST,
             BLOCK_T, BLOCK_R, D_PAD,
+        )
+
+
+@triton.jit
+def _winners_body(
+    pid,
+    G, Q, D, RQ, RD, ARG, GD,
+    n_j, lq, ld, dim,
+    s_gi, s_gj,
+    s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh,
+    s_rdi, s_rdj, s_ai,
+    NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # Candidates / pairs: document j of query i is seen by query i's rows only, so its
+    # grad_D is the few winning rows (zeros elsewhere, filled beforehand at memset speed).
+    # Rows of the query that picked the same token are summed by an [S, S] equality
+    # matrix times the query rows (one MMA, fixed order), and only the first of them
+    # stores: every written row has exactly one writer -> no atomics, bitwise
+    # deterministic, and the store traffic is Lq rows instead of the whole document.
+    i_doc = pid.to(tl.int64)
+    i_q = i_doc // n_j
+    i_j = i_doc % n_j
+    o_s = tl.arange(0, BLOCK_S)
+    o_h = tl.arange(0, D_PAD)
+    m_s = o_s < lq
+    m_h = o_h < dim
+    b_a = tl.load(ARG + i_q * s_ai + i_j * lq + o_s, mask=m_s, other=-1).to(tl.int32)          # [S]
+    valid = b_a >= 0
+    b_g = tl.load(G + i_q * s_gi + i_j * s_gj)
+    m_rows = valid[:, None] & m_h[None, :]
+    # rows without a winner (masked query tokens) are not loaded: 0 * NaN must not leak
+    b_q = tl.load(Q + i_q * s_qi + o_s[:, None] * s_qs + o_h[None, :] * s_qh, mask=m_rows, other=0.0)
+    same = (b_a[:, None] == b_a[None, :]) & valid[:, None] & valid[None, :]                    # [S, S]
+    earlier = same & (o_s[None, :] < o_s[:, None])
+    first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
+    if NORMALIZE:
+        # dL/d(d_hat) = g * q_hat
+        b_rq = tl.load(RQ + i_q * lq + o_s, mask=m_s, other=0.0)
+        b_acc = tl.dot(same.to(tl.float32), b_q.to(tl.float32) * b_rq[:, None], input_precision=PRECISION)
+    elif F32_DOT or UPCAST:
+        b_acc = tl.dot(same.to(tl.float32), b_q.to(tl.float32), input_precision=PRECISION)
+    else:
+        b_acc = tl.dot(same.to(b_q.dtype), b_q)                         # 0/1 x bf16: exact products
+    b_acc = b_acc * b_g
+    p_row = b_a[:, None].to(tl.int64)
+    if NORMALIZE:
+        p_d = D + i_q * s_di + i_j * s_dj + p_row * s_dt + o_h[None, :] * s_dh
+        b_d = tl.load(p_d, mask=m_rows, other=0.0).to(tl.float32)
+        b_rd = tl.load(RD + i_q * s_rdi + i_j * s_rdj + b_a, mask=valid, other=0.0)
+        b_acc = _project(b_acc, b_d, b_rd)
+    p_gd = GD + i_doc * ld * dim + p_row * dim + o_h[None, :]
+    tl.store(p_gd, b_acc.to(GD.dtype.element_ty), mask=first[:, None] & m_h[None, :])
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_gather_programs"])
+def maxsim_bwd_winners_kernel(
+    G, Q, D, RQ, RD, ARG, GD, GQ,
+    n_q, n_j, lq, ld, dim,
+    s_gi, s_gj,
+    s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh,
+    s_rdi, s_rdj, s_ai,
+    n_gather_programs,
+    NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    WITH_GATHER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SW: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """``lowmem`` grad_D for candidates and pairs (``Lq <= BLOCK_SW``) into a zeroed
+    buffer; with ``WITH_GATHER`` the first ``n_gather_programs`` programs compute grad_Q
+    in the same launch."""
+    pid = tl.program_id(0)
+    if WITH_GATHER:
+        if pid < n_gather_programs:
+            _gather_body(
+                pid, G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+                s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, 0, 0, s_ai, 1, n_j,
+                True, False, NORMALIZE, False, BLOCK_J, BLOCK_S, D_PAD,
+            )
+        else:
+            _winners_body(
+                pid - n_gather_programs, G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+                s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_ai, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD,
+            )
+    else:
+        _winners_body(
+            pid, G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+            s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_ai, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD,
         )
 
 

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from ..common import inverse_norms
-from .backward import maxsim_bwd_gather_kernel, project_rows_kernel
+from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
 from .forward import maxsim_fwd_kernel
 from .tuning import doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
 
@@ -238,9 +238,11 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
     # Allocations are counted: on a slow host each torch call is tens of microseconds, and
     # the small training shapes are bound by them.  The one-pass unified grad_D is the
     # fp32 buffer cast once (no separate empty + copy).
+    # lowmem for candidates/pairs with Lq <= 128: zero-filled grad_D, winning rows written
+    winners = need_d and not scatter and not cross and lq <= MAX_ROWS_PER_Q
     grad_d = None
     if need_d and not (one_pass and not direct and not normalize):
-        grad_d = torch.zeros(D.shape, dtype=D.dtype, device=device) if direct else \
+        grad_d = torch.zeros(D.shape, dtype=D.dtype, device=device) if direct or winners else \
             torch.empty(D.shape, dtype=D.dtype, device=device)
     # lowmem with both gradients and no split: grad_Q's gather rides in the grad_D launch
     block_s, block_j, n_gather, n_split, _ = _gather_blocking(nq, nj, lq, d_pad)
@@ -265,10 +267,24 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
                 _gather_pass(grad[:, j0:j1], Q, D[j0:j1], argmax[:, j0:j1], rq, rd_slab,
                              None, chunk, cross=True, normalize=normalize)
                 _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
-    if need_d and not scatter:
+    f32_dot = Q.dtype != torch.bfloat16
+    n_gather = n_gather if fused_gather else 0
+    if winners:
+        maxsim_bwd_winners_kernel[(n_gather + nq * nj,)](
+            grad, Q, D, rq, rd, argmax, grad_d, grad_q if fused_gather else placeholder,
+            nq, nj, lq, ld, dim,
+            grad.stride(0), grad.stride(1),
+            Q.stride(0), Q.stride(1), Q.stride(2),
+            s_di, s_dj, s_dt, s_dh,
+            s_rdi, s_rdj, argmax.stride(0),
+            n_gather,
+            NORMALIZE=bool(normalize), F32_DOT=f32_dot, PRECISION=_precision(Q.dtype),
+            UPCAST=interpreting() and Q.dtype == torch.bfloat16,
+            WITH_GATHER=fused_gather, BLOCK_J=block_j, BLOCK_S=block_s, BLOCK_SW=max(16, next_pow2(lq)),
+            D_PAD=d_pad, **({} if interpreting() else {"num_warps": 4 if d_pad <= 128 else 8, "num_stages": 1}),
+        )
+    elif need_d and not scatter:
         n_docs = nj if cross else nq * nj
-        n_gather = n_gather if fused_gather else 0
-        f32_dot = Q.dtype != torch.bfloat16
         kernel, meta, after_launch = doc_kernel_and_meta(
             d_pad=d_pad, n_programs_at_64=n_docs * _cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
             normalize=normalize, with_gather=fused_gather, dtype=Q.dtype,
