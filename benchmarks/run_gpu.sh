@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [kernels|parity|e2e|hosts|all] [bench_kernels.py options]
+#   bash benchmarks/run_gpu.sh [tests|bench|kernels|parity|e2e|hosts|all] [bench_kernels.py options]
+# kernels = tests (GPU suite + memcheck) + bench (side-by-side); hosts = parity + e2e.
 # Peers and host libraries come from wheels in .whl/ (the machine has no network).
 # Results (JSON + Markdown + logs) go to $OUT (default: benchmarks/results/latest).
 set -uo pipefail
@@ -18,10 +19,12 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
-if [[ $stage == kernels || $stage == all ]]; then
+if [[ $stage == tests || $stage == kernels || $stage == all ]]; then
   python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
   compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_calls.py > "$OUT/memcheck.log" 2>&1
   tail -3 "$OUT/memcheck.log"
+fi
+if [[ $stage == bench || $stage == kernels || $stage == all ]]; then
   python3 benchmarks/bench_kernels.py "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -30
 fi
 
