@@ -1,6 +1,6 @@
 """End-to-end PyLate training benchmark: vanilla PyLate vs ``lik_plugins.patch_pylate()``.
 
-    python benchmarks/pylate_e2e.py OUT_DIR [--budget-s 300] [--max-batch 4096]
+    python benchmarks/pylate_e2e.py OUT_DIR [--budget-s 300] [--max-batch 4096] [--only nogc,gc,cached] [--steps 3]
 
 A ColBERT model of ModernColBERT size (ModernBERT-base config, random weights, 50k
 vocabulary, 128-d projection; nothing downloaded), bf16 weights, AdamW, ``Contrastive``
@@ -106,7 +106,7 @@ def run_series(args) -> list[dict]:
             break
         try:
             times, peaks, values = [], [], []
-            for i in range(4):
+            for i in range(1 + args.steps):
                 feats = features(model, batch, seed=i)
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -138,14 +138,91 @@ def run_series(args) -> list[dict]:
     return rows
 
 
+def run_ab(args) -> list[dict]:
+    """Step time of vanilla and patched PyLate *interleaved in one process*: the same model,
+    optimiser and inputs, ``LIK_DISABLE`` toggled per step (read at call time: every patched
+    entry then runs PyLate's own code).  Small batches are host-bound and their step time
+    wanders by 10-20 % between processes, more than the difference being measured; in
+    alternation a slow spell falls on both variants."""
+    import tempfile
+
+    import torch
+
+    import lik_plugins
+
+    lik_plugins.patch_pylate()
+    from pylate import losses
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(tmp)
+    if args.gc:
+        model[0].auto_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    loss = losses.Contrastive(model=model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rows = []
+
+    def step(feats, variant):
+        if variant == "vanilla":
+            os.environ["LIK_DISABLE"] = "1"
+        else:
+            os.environ.pop("LIK_DISABLE", None)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        value = loss(feats, None)
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return 1000 * (time.perf_counter() - t0)
+
+    for batch in [8 * 2**i for i in range(20) if 8 * 2**i <= args.max_batch]:
+        try:
+            feats = [features(model, batch, seed=i) for i in range(2)]
+            for i in range(2):
+                step(feats[i], "vanilla"), step(feats[i], "patched")
+            times = {"vanilla": [], "patched": []}
+            for r in range(args.steps):
+                order = ("vanilla", "patched") if r % 2 == 0 else ("patched", "vanilla")
+                for variant in order:
+                    times[variant].append(step(feats[r % 2], variant))
+            row = {"mode": "ab", "gc": args.gc, "batch": batch,
+                   **{f"{v}_ms": statistics.median(t) for v, t in times.items()}, "samples": times}
+            rows.append(row)
+            print(f"  A/B gc={int(args.gc)} batch {batch:5d}: vanilla {row['vanilla_ms']:8.1f} ms  "
+                  f"patched {row['patched_ms']:8.1f} ms  ({row['vanilla_ms'] / row['patched_ms']:.2f}x)", flush=True)
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh)
+            del feats
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"mode": "ab", "gc": args.gc, "batch": batch, "status": "oom"})
+            break
+    os.environ.pop("LIK_DISABLE", None)
+    return rows
+
+
+def markdown_ab(results: list[dict]) -> list[str]:
+    rows = [r for r in results if r.get("mode") == "ab" and "vanilla_ms" in r]
+    if not rows:
+        return []
+    out = ["## Step time, vanilla and patched interleaved in one process (Contrastive)", "",
+           "Median over alternating steps (`LIK_DISABLE` toggled per step); spread = max/min of each variant's steps.", "",
+           "| gc | batch | vanilla ms | patched ms | speed-up | vanilla spread | patched spread |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sv, sp = r["samples"]["vanilla"], r["samples"]["patched"]
+        out.append(f"| {'on' if r['gc'] else 'off'} | {r['batch']} | {r['vanilla_ms']:.1f} | {r['patched_ms']:.1f} | "
+                   f"{r['vanilla_ms'] / r['patched_ms']:.2f}x | {max(sv) / min(sv):.2f} | {max(sp) / min(sp):.2f} |")
+    return out + [""]
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     out = [f"# PyLate end-to-end training: vanilla vs lik_plugins", "",
            f"{meta['device']}, torch {meta['torch']}, PyLate {meta['pylate']}; ModernBERT-base config (random), "
-           f"bf16, AdamW, Lq={LQ}, Ld={LD}, one hard negative. Step time = median of 3 steps; "
+           f"bf16, AdamW, Lq={LQ}, Ld={LD}, one hard negative. Step time = median of the timed steps; "
            "peak = step peak over the allocated baseline.", ""]
     verdicts: list[str] = []
     for loss in ("contrastive", "cached"):
-        series = [r for r in results if r["loss"] == loss]
+        series = [r for r in results if r["loss"] == loss and r.get("mode") != "ab"]
         if not series:
             continue
         out += [f"## {loss}", "", "| gc | batch | vanilla ms | patched ms | speed-up | vanilla GiB | patched GiB |",
@@ -176,6 +253,7 @@ def markdown(results: list[dict], meta: dict) -> str:
                 out.append(f"| {'on' if gc else 'off'} | **largest batch** | **{vmax}** | **{pmax}** | "
                            f"{(pmax / vmax) if vmax else float('nan'):.1f}x | | |")
         out.append("")
+    out += markdown_ab(results)
     if verdicts:
         out += ["## Verdict", "", *verdicts, ""]
     return "\n".join(out)
@@ -187,8 +265,15 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=300, help="total wall-clock budget (series start-up comes on top)")
     p.add_argument("--max-batch", type=int, default=4096)
     p.add_argument("--cached-batch", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=3, help="timed optimiser steps per batch size (after 1 warm-up)")
+    p.add_argument("--only", default="nogc,gc,cached",
+                   help="series to run, comma-separated: nogc, gc (Contrastive without / with gradient "
+                        "checkpointing), cached (CachedContrastive), ab-nogc / ab-gc (vanilla and patched "
+                        "interleaved in one process, for step time)")
     # internal: one series in a subprocess
     p.add_argument("--series", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ab", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ab-max", default="128,512", help="largest batch of the interleaved A/B runs, gc off,on")
     p.add_argument("--variant", choices=["vanilla", "patched"])
     p.add_argument("--loss", choices=["contrastive", "cached"], default="contrastive")
     p.add_argument("--gc", action="store_true")
@@ -196,7 +281,7 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.series:
-        rows = run_series(args)
+        rows = run_ab(args) if args.ab else run_series(args)
         with open(args.json, "w") as fh:
             json.dump(rows, fh)
         return 0
@@ -207,8 +292,13 @@ def main() -> int:
 
     os.makedirs(args.out_dir, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "pylate": pylate.__version__}
-    plan = [(v, "contrastive", gc, None) for gc in (False, True) for v in ("vanilla", "patched")]
-    plan += [(v, "cached", False, args.cached_batch) for v in ("vanilla", "patched")]
+    wanted = set(args.only.split(","))
+    plan = [(v, "contrastive", gc, None) for gc in (False, True) if ("gc" if gc else "nogc") in wanted
+            for v in ("vanilla", "patched")]
+    if "cached" in wanted:
+        plan += [(v, "cached", False, args.cached_batch) for v in ("vanilla", "patched")]
+    ab_max = dict(zip((False, True), map(int, args.ab_max.split(","))))
+    plan += [("ab", "contrastive", gc, None) for gc in (False, True) if ("ab-gc" if gc else "ab-nogc") in wanted]
     start = time.time()
     results = []
     for i, (variant, loss, gc, batch) in enumerate(plan):
@@ -216,9 +306,12 @@ def main() -> int:
         per = max(20.0, left / (len(plan) - i)) - 15  # leave room for the subprocess start
         out = os.path.join(args.out_dir, f".series_{i}.json")
         cmd = [sys.executable, __file__, "--series", "--variant", variant, "--loss", loss, "--json", out,
-               "--budget-s", str(per), "--max-batch", str(args.max_batch)]
+               "--budget-s", str(per), "--max-batch", str(args.max_batch), "--steps", str(args.steps)]
         cmd += ["--gc"] if gc else []
         cmd += ["--batch", str(batch)] if batch else []
+        if variant == "ab":  # one process, both variants interleaved (LIK_DISABLE toggled per step)
+            cmd = [sys.executable, __file__, "--series", "--ab", "--json", out, "--max-batch", str(ab_max[gc]),
+                   "--steps", str(args.steps)] + (["--gc"] if gc else [])
         print(f"[{i + 1}/{len(plan)}] {variant} {loss} gc={gc} (budget {per:.0f} s)", flush=True)
         env = {k: v for k, v in os.environ.items() if k not in ("LIK_DISABLE", "PYLATE_SCORES_BACKEND")}
         if variant == "vanilla":  # PyLate's own einsum path, even where flash-maxsim / LIK are installed
