@@ -53,3 +53,20 @@ for variant in ("patched", "vanilla", "patched", "vanilla"):
     prof.disable()
     print(f"==== {variant}: {(time.perf_counter() - t) * 100:.1f} ms/step (profiled)")
     pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+
+# The autograd engine runs backward functions on its own thread, which cProfile does not
+# see: the torch profiler does.
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+for variant in ("patched", "vanilla"):
+    if variant == "vanilla":
+        os.environ["LIK_DISABLE"] = "1"
+    else:
+        os.environ.pop("LIK_DISABLE", None)
+    for i in range(2):
+        step(i)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(5):
+            step(i)
+    print(f"==== torch profiler, {variant}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
