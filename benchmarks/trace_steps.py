@@ -14,7 +14,6 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import sys
 import time
 
@@ -24,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 from bench_kernels import SHAPES, implementations, make_inputs  # noqa: E402
+from profile_parts import timed as event_ms  # noqa: E402  (CUDA-event median of back-to-back calls)
 
 
 def step_fn(impl, layout, Q, D, g):
@@ -32,17 +32,6 @@ def step_fn(impl, layout, Q, D, g):
         out = impl(Q, D, layout)
         out.backward(g)
     return step
-
-
-def event_ms(step, reps=50):
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record(); step(); b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
 def host_us(step, reps=50):
@@ -86,7 +75,7 @@ def main():
             g = torch.randn_like(impls["lik_plugins"](Q, D, shape.layout).float())
         for name, impl in impls.items():
             step = step_fn(impl, shape.layout, Q, D, g)
-            row = {"shape": shape.name, "impl": name, "event_ms": event_ms(step), "host_us": host_us(step)}
+            row = {"shape": shape.name, "impl": name, "event_ms": event_ms(step, reps=50), "host_us": host_us(step)}
             ks = kernels(step)
             row["kernel_us"] = sum(k[2] for k in ks)
             row["kernels"] = ks
