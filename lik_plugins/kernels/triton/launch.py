@@ -235,11 +235,11 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
     if scatter and not direct and cross:
         slab = max(1, min(nj, UNIFIED_BUFFER_BYTES // max(ld * dim * 4, 1)))
     one_pass = scatter and slab == nj
+    # lowmem for candidates/pairs with Lq <= 128: zero-filled grad_D, winning rows written
+    winners = need_d and not scatter and not cross and lq <= MAX_ROWS_PER_Q
     # Allocations are counted: on a slow host each torch call is tens of microseconds, and
     # the small training shapes are bound by them.  The one-pass unified grad_D is the
     # fp32 buffer cast once (no separate empty + copy).
-    # lowmem for candidates/pairs with Lq <= 128: zero-filled grad_D, winning rows written
-    winners = need_d and not scatter and not cross and lq <= MAX_ROWS_PER_Q
     grad_d = None
     if need_d and not (one_pass and not direct and not normalize):
         grad_d = torch.zeros(D.shape, dtype=D.dtype, device=device) if direct or winners else \
@@ -269,19 +269,25 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
                 _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
     f32_dot = Q.dtype != torch.bfloat16
     n_gather = n_gather if fused_gather else 0
+    # the two lowmem grad_D kernels take the same arguments (the gather rides along in both)
+    lowmem_args = (
+        grad, Q, D, rq, rd, argmax, grad_d, grad_q if fused_gather else placeholder,
+        nq, nj, lq, ld, dim,
+        grad.stride(0), grad.stride(1),
+        Q.stride(0), Q.stride(1), Q.stride(2),
+        s_di, s_dj, s_dt, s_dh,
+        s_rdi, s_rdj, argmax.stride(0),
+        n_gather,
+    )
+    lowmem_meta = dict(
+        NORMALIZE=bool(normalize), F32_DOT=f32_dot, PRECISION=_precision(Q.dtype),
+        UPCAST=interpreting() and Q.dtype == torch.bfloat16,
+        WITH_GATHER=fused_gather, BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad,
+    )
     if winners:
         maxsim_bwd_winners_kernel[(n_gather + nq * nj,)](
-            grad, Q, D, rq, rd, argmax, grad_d, grad_q if fused_gather else placeholder,
-            nq, nj, lq, ld, dim,
-            grad.stride(0), grad.stride(1),
-            Q.stride(0), Q.stride(1), Q.stride(2),
-            s_di, s_dj, s_dt, s_dh,
-            s_rdi, s_rdj, argmax.stride(0),
-            n_gather,
-            NORMALIZE=bool(normalize), F32_DOT=f32_dot, PRECISION=_precision(Q.dtype),
-            UPCAST=interpreting() and Q.dtype == torch.bfloat16,
-            WITH_GATHER=fused_gather, BLOCK_J=block_j, BLOCK_S=block_s, BLOCK_SW=max(16, next_pow2(lq)),
-            D_PAD=d_pad, **({} if interpreting() else {"num_warps": 4 if d_pad <= 128 else 8, "num_stages": 1}),
+            *lowmem_args, BLOCK_SW=max(16, next_pow2(lq)), **lowmem_meta,
+            **({} if interpreting() else {"num_warps": 4 if d_pad <= 128 else 8, "num_stages": 1}),
         )
     elif need_d and not scatter:
         n_docs = nj if cross else nq * nj
@@ -290,17 +296,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
             normalize=normalize, with_gather=fused_gather, dtype=Q.dtype,
         )
         kernel[lambda m: (n_gather + n_docs * _cdiv(ld, m["BLOCK_T"]),)](
-            grad, Q, D, rq, rd, argmax, grad_d, grad_q if fused_gather else placeholder,
-            nq, nj, lq, ld, dim,
-            grad.stride(0), grad.stride(1),
-            Q.stride(0), Q.stride(1), Q.stride(2),
-            s_di, s_dj, s_dt, s_dh,
-            s_rdi, s_rdj, argmax.stride(0),
-            n_gather,
-            CROSS=cross, NORMALIZE=bool(normalize), F32_DOT=f32_dot,
-            PRECISION=_precision(Q.dtype),
-            UPCAST=interpreting() and Q.dtype == torch.bfloat16,
-            D_PAD=d_pad, WITH_GATHER=fused_gather, BLOCK_J=block_j, BLOCK_S=block_s, **meta,
+            *lowmem_args, CROSS=cross, **lowmem_meta, **meta,
         )
         if after_launch is not None:
             after_launch()
