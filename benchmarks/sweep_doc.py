@@ -1,13 +1,16 @@
-"""The lowmem grad_D launch on memory-bound candidate shapes, config by config.
+"""The lowmem grad_D launch, config by config, against the time it must beat.
 
-Compares every config the autotuner may pick (with and without the fused grad_Q
-gather) against the time to merely zero-fill grad_D (the write floor), and prints the
-per-kernel profile of one training step of ours and of late-interaction-kernels.
+* candidates (KD, hard negatives, pairs): every config of the one-hot kernel (with and
+  without the fused grad_Q gather) against a mere zero-fill of grad_D (the write floor).
+* cross product (in-batch): every one-hot config (plain / transposed product, with and
+  without the masked-row guard) against the forward with argmax (the same FLOPs) and the
+  ``unified`` backward (atomics into an fp32 buffer) it would replace.
 
-Usage: python benchmarks/sweep_doc.py OUT_JSON
+Usage: python benchmarks/sweep_doc.py OUT_JSON [cross|candidates|all]
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -16,54 +19,106 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, ".")
-sys.path.insert(0, "benchmarks")
 from lik_plugins.kernels.triton import launch, tuning  # noqa: E402
 from lik_plugins.kernels.triton.backward import maxsim_bwd_doc_kernel  # noqa: E402
 
-SHAPES = [("kd 64x32", 64, 32, 32, 256), ("hard-neg 256x16", 256, 16, 32, 1030), ("pairs 512", 512, 1, 32, 256)]
+CANDIDATE_SHAPES = [("kd 64x32", 64, 32, 32, 256), ("hard-neg 256x16", 256, 16, 32, 1030), ("pairs 512", 512, 1, 32, 256)]
+CROSS_SHAPES = [("colbert in-batch 256", 256, 256, 32, 256), ("colpali in-batch 64", 64, 64, 32, 1030),
+                ("colpali in-batch 256", 256, 256, 32, 1030), ("colbert in-batch 1024", 1024, 1024, 32, 256)]
 
 
-def main(out):
-    rows = []
-    for name, nq, k, lq, ld in SHAPES:
-        Q = torch.nn.functional.normalize(torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
-        D = torch.nn.functional.normalize(torch.randn(nq, k, ld, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
+def _unit(*shape):
+    return torch.nn.functional.normalize(torch.randn(*shape, device="cuda", dtype=torch.bfloat16), dim=-1)
+
+
+def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg, transposed=False, guard=True):
+    nq, lq, _ = Q.shape
+    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
+    n_docs = nj if cross else nq * nj
+    s_d = (0, *D.stride()) if cross else D.stride()
+    ph = launch._placeholder(Q.device, torch.float32)
+    maxsim_bwd_doc_kernel[(n_gather + n_docs * triton.cdiv(ld, cfg.kwargs["BLOCK_T"]),)](
+        g, Q, D, ph, ph, arg, gd, gq, nq, nj, lq, ld, Q.shape[-1], g.stride(0), g.stride(1),
+        *Q.stride(), *s_d, 0, 0, arg.stride(0), n_gather,
+        CROSS=cross, NORMALIZE=False, F32_DOT=False, PRECISION="tf32", UPCAST=False,
+        D_PAD=128, WITH_GATHER=n_gather > 0, BLOCK_J=block_j, BLOCK_S=block_s,
+        TRANSPOSED=transposed, GUARD_ROWS=guard,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs,
+    )
+
+
+def _configs(Q):
+    return tuning._doc_prune(tuning._doc_configs(), {"Q": Q}, D_PAD=128, F32_DOT=False)
+
+
+def sweep_candidates(rows):
+    for name, nq, k, lq, ld in CANDIDATE_SHAPES:
+        Q, D = _unit(nq, lq, 128), _unit(nq, k, ld, 128)
         _, arg = launch.forward(Q, D, None, None, cross=False, normalize=False, zero_mode=False, save_argmax=True)
         g = torch.randn(nq, k, device="cuda")
-        gd = torch.empty_like(D)
-        gq = torch.empty_like(Q)
-        ph = torch.zeros(1, device="cuda")
-        block_s, block_j, n_gather, n_split, _ = launch._gather_blocking(nq, k, lq, 128)
+        gd, gq = torch.empty_like(D), torch.empty_like(Q)
+        block_s, block_j, n_gather, _, _ = launch._gather_blocking(nq, k, lq, 128)
         fill_ms = do_bench(lambda: gd.zero_())
-        fwd_ms = do_bench(lambda: launch.forward(Q, D, None, None, cross=False, normalize=False, zero_mode=False,
-                                                 save_argmax=True))
-        print(f"{name}: zero-fill grad_D {fill_ms*1e3:.1f} us ({D.numel()*2/fill_ms/1e9:.2f} TB/s), "
-              f"forward+argmax {fwd_ms*1e3:.1f} us", flush=True)
-        row = {"shape": name, "fill_us": fill_ms * 1e3, "fwd_us": fwd_ms * 1e3, "configs": []}
-        configs = tuning._doc_prune(tuning._doc_configs(), {"Q": Q}, D_PAD=128, F32_DOT=False)
-        for cfg in configs:
-            for with_gather in (False, True):
-                n_g = n_gather if with_gather else 0
-                bt = cfg.kwargs["BLOCK_T"]
+        print(f"{name}: zero-fill grad_D {fill_ms*1e3:.1f} us ({D.numel()*2/fill_ms/1e9:.2f} TB/s)", flush=True)
+        row = {"shape": name, "fill_us": fill_ms * 1e3, "configs": []}
+        for cfg, with_gather in itertools.product(_configs(Q), (False, True)):
+            ms = do_bench(lambda: _doc_launch(g, Q, D, arg, gd, gq, cross=False, n_gather=n_gather if with_gather else 0,
+                                              block_j=block_j, block_s=block_s, cfg=cfg))
+            desc = f"{cfg} gather={with_gather}"
+            row["configs"].append({"config": desc, "us": ms * 1e3})
+            print(f"   {desc:70s} {ms*1e3:8.1f} us", flush=True)
+        rows.append(row)
 
-                def call():
-                    maxsim_bwd_doc_kernel[(n_g + nq * k * triton.cdiv(ld, bt),)](
-                        g, Q, D, ph, ph, arg, gd, gq, nq, k, lq, ld, 128, g.stride(0), g.stride(1),
-                        *Q.stride(), *D.stride(), 0, 0, arg.stride(0), n_g,
-                        CROSS=False, NORMALIZE=False, F32_DOT=False, PRECISION="tf32", UPCAST=False,
-                        D_PAD=128, WITH_GATHER=with_gather, BLOCK_J=block_j, BLOCK_S=block_s,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs,
-                    )
-                ms = do_bench(call)
-                desc = f"T{bt} R{cfg.kwargs['BLOCK_R']} w{cfg.num_warps} s{cfg.num_stages} gather={with_gather}"
-                row["configs"].append({"config": desc, "us": ms * 1e3})
-                print(f"   {desc:40s} {ms*1e3:8.1f} us", flush=True)
+
+def sweep_cross(rows):
+    for name, nq, nd, lq, ld in CROSS_SHAPES:
+        Q, D = _unit(nq, lq, 128), _unit(nd, ld, 128)
+        fwd = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False, save_argmax=True)  # noqa: E731
+        _, arg = fwd()
+        g = torch.randn(nq, nd, device="cuda")
+        gd, gq = torch.empty_like(D), torch.empty_like(Q)
+        fwd_ms = do_bench(fwd)
+        uni_ms = do_bench(lambda: launch.backward(g, Q, D, arg, cross=True, normalize=False, need_q=True, need_d=True,
+                                                  strategy="unified"))
+        gather_ms = do_bench(lambda: launch.backward(g, Q, D, arg, cross=True, normalize=False, need_q=True,
+                                                     need_d=False, strategy="lowmem"))
+        print(f"{name}: forward+argmax {fwd_ms*1e3:.1f} us, unified backward {uni_ms*1e3:.1f} us, "
+              f"grad_Q gather alone {gather_ms*1e3:.1f} us", flush=True)
+        row = {"shape": name, "fwd_us": fwd_ms * 1e3, "unified_us": uni_ms * 1e3, "gather_us": gather_ms * 1e3,
+               "configs": []}
+        best = None
+        for cfg, transposed in itertools.product(_configs(Q), (False, True)):
+            try:
+                ms = do_bench(lambda: _doc_launch(g, Q, D, arg, gd, gq, cross=True, n_gather=0, block_j=1, block_s=1,
+                                                  cfg=cfg, transposed=transposed, guard=False))
+            except Exception as exc:  # out of resources for this config: report, go on
+                print(f"   {cfg} transposed={transposed}: {type(exc).__name__}", flush=True)
+                continue
+            desc = f"{cfg} transposed={transposed}"
+            row["configs"].append({"config": desc, "us": ms * 1e3})
+            print(f"   {desc:70s} {ms*1e3:8.1f} us", flush=True)
+            if best is None or ms < best[0]:
+                best = (ms, cfg, transposed)
+        ms, cfg, transposed = best
+        guarded = do_bench(lambda: _doc_launch(g, Q, D, arg, gd, gq, cross=True, n_gather=0, block_j=1, block_s=1,
+                                               cfg=cfg, transposed=transposed, guard=True))
+        row["best"] = {"config": f"{cfg} transposed={transposed}", "us": ms * 1e3, "guarded_us": guarded * 1e3}
+        print(f"   best {cfg} transposed={transposed}: {ms*1e3:.1f} us, with the masked-row guard "
+              f"{guarded*1e3:.1f} us", flush=True)
         rows.append(row)
         del Q, D, gd, arg
         torch.cuda.empty_cache()
+
+
+def main(out, which="all"):
+    rows = []
+    if which in ("cross", "all"):
+        sweep_cross(rows)
+    if which in ("candidates", "all"):
+        sweep_candidates(rows)
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

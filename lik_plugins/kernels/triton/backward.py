@@ -111,6 +111,12 @@ def _gather_body(
 
 
 @triton.jit
+def _doc_winners(ARG, o_rr, r_hi, i_j, n_j, lq):
+    """Winning token in document ``i_j`` of the flat query rows ``o_rr`` (-1: none)."""
+    return tl.load(ARG + ((o_rr // lq) * n_j + i_j) * lq + o_rr % lq, mask=o_rr < r_hi, other=-1).to(tl.int32)
+
+
+@triton.jit
 def _doc_body(
     pid,
     G, Q, D, RQ, RD, ARG, GD,
@@ -122,6 +128,7 @@ def _doc_body(
     CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+    TRANSPOSED: tl.constexpr, GUARD_ROWS: tl.constexpr,
 ):
     n_tb = tl.cdiv(ld, BLOCK_T)
     i_doc = (pid // n_tb).to(tl.int64)
@@ -143,25 +150,45 @@ def _doc_body(
         r_lo = i_own * lq
         r_hi = r_lo + lq
 
-    b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+    # The argmax is int16, too narrow for the pipeliner's asynchronous copies, so a plain
+    # load of it would stall every step: it is fetched one step ahead by hand (a register
+    # load only blocks at first use).  The query rows and weights are pipelined by Triton;
+    # their addresses must not depend on the argmax for that (benchmarks/NOTES.md, v9).
+    b_a_next = _doc_winners(ARG, r_lo + o_r, r_hi, i_j, n_j, lq)
+    if TRANSPOSED:
+        b_acc = tl.zeros([D_PAD, BLOCK_T], tl.float32)
+    else:
+        b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
     for r0 in range(r_lo, r_hi, BLOCK_R):
+        b_a = b_a_next
+        b_a_next = _doc_winners(ARG, r0 + BLOCK_R + o_r, r_hi, i_j, n_j, lq)
         o_rr = r0 + o_r
         m_r = o_rr < r_hi
         i_q = o_rr // lq
         i_s = o_rr % lq
-        b_a = tl.load(ARG + (i_q * n_j + i_j) * lq + i_s, mask=m_r, other=-1).to(tl.int32)   # [BR]
         b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_r, other=0.0)
         if NORMALIZE:
             b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_r, other=0.0)
-        b_w = tl.where(b_a[None, :] == o_t[:, None], b_g[None, :], 0.0)                 # [BT, BR] one-hot * g
-        # rows without a winner (masked query tokens) are not loaded: 0 * NaN must not leak
         b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
-                      mask=(m_r & (b_a >= 0))[:, None] & m_h[None, :], other=0.0)         # [BR, DP]
+                      mask=m_r[:, None] & m_h[None, :], other=0.0)                    # [BR, DP]
+        if GUARD_ROWS:
+            # rows without a winner (masked query tokens): 0 * NaN must not leak
+            b_q = tl.where((b_a >= 0)[:, None], b_q, 0.0)
         if F32_DOT or UPCAST:
-            b_acc = tl.dot(b_w, b_q.to(tl.float32), b_acc, input_precision=PRECISION)
+            b_q = b_q.to(tl.float32)
+        if TRANSPOSED:
+            b_w = tl.where(b_a[:, None] == o_t[None, :], b_g[:, None], 0.0)              # [BR, BT]
+            if not (F32_DOT or UPCAST):
+                b_w = b_w.to(b_q.dtype)
+            b_acc = tl.dot(tl.trans(b_q), b_w, b_acc, input_precision=PRECISION)       # [DP, BR] @ [BR, BT]
         else:
+            b_w = tl.where(b_a[None, :] == o_t[:, None], b_g[None, :], 0.0)              # [BT, BR] one-hot * g
             # bf16 operands, as the host's own bf16 backward rounds its incoming gradient
-            b_acc = tl.dot(b_w.to(b_q.dtype), b_q, b_acc)                                # [BT, BR] @ [BR, DP]
+            if not (F32_DOT or UPCAST):
+                b_w = b_w.to(b_q.dtype)
+            b_acc = tl.dot(b_w, b_q, b_acc, input_precision=PRECISION)                 # [BT, BR] @ [BR, DP]
+    if TRANSPOSED:
+        b_acc = tl.trans(b_acc)
 
     p_d = D + i_own * s_di + i_j * s_dj
     if NORMALIZE:
@@ -206,6 +233,7 @@ def maxsim_bwd_doc_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
     WITH_GATHER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
+    TRANSPOSED: tl.constexpr = False, GUARD_ROWS: tl.constexpr = True,
 ):
     """``lowmem`` grad_D; with ``WITH_GATHER`` the first ``n_gather_programs`` programs
     compute grad_Q (the gather, unsplit) in the same launch: one launch less per step,
@@ -222,13 +250,13 @@ def maxsim_bwd_doc_kernel(
             _doc_body(
                 pid - n_gather_programs, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj,
                 s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION,
-                UPCAST, BLOCK_T, BLOCK_R, D_PAD,
+                UPCAST, BLOCK_T, BLOCK_R, D_PAD, TRANSPOSED, GUARD_ROWS,
             )
     else:
         _doc_body(
             pid, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
             s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST,
-            BLOCK_T, BLOCK_R, D_PAD,
+            BLOCK_T, BLOCK_R, D_PAD, TRANSPOSED, GUARD_ROWS,
         )
 
 

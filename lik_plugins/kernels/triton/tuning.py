@@ -116,9 +116,9 @@ def _doc_configs():
     return [
         triton.Config({"BLOCK_T": t, "BLOCK_R": r}, num_warps=w, num_stages=st)
         for t in (32, 64, 128)
-        for r in (32, 64)
+        for r in (32, 64, 128)
         for w in (4, 8)
-        for st in (2, 3)
+        for st in (2, 3, 4)
     ]
 
 
