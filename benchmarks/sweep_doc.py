@@ -2,11 +2,11 @@
 
 * candidates (KD, hard negatives, pairs): every config of the one-hot kernel (with and
   without the fused grad_Q gather) against a mere zero-fill of grad_D (the write floor).
-* cross product (in-batch): every one-hot config (plain / transposed product, with and
-  without the masked-row guard) against the forward with argmax (the same FLOPs) and the
-  ``unified`` backward (atomics into an fp32 buffer) it would replace.
+* cross product (in-batch): every one-hot config (and the best one with the masked-row
+  guard) against the forward with argmax (the same FLOPs) and the
+  ``unified`` backward (atomics into an fp32 buffer): the ring (two slabs) and one slab.
 
-Usage: python benchmarks/sweep_doc.py OUT_JSON [cross|candidates|all]
+Usage: python benchmarks/sweep_doc.py OUT_JSON [cross|ring|candidates|all]   (ring: cross without the configs)
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _unit(*shape):
     return torch.nn.functional.normalize(torch.randn(*shape, device="cuda", dtype=torch.bfloat16), dim=-1)
 
 
-def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg, transposed=False, guard=True):
+def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg, guard=True):
     nq, lq, _ = Q.shape
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
     n_docs = nj if cross else nq * nj
@@ -42,7 +42,7 @@ def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg,
         *Q.stride(), *s_d, 0, 0, arg.stride(0), n_gather,
         CROSS=cross, NORMALIZE=False, F32_DOT=False, PRECISION="tf32", UPCAST=False,
         D_PAD=128, WITH_GATHER=n_gather > 0, BLOCK_J=block_j, BLOCK_S=block_s,
-        TRANSPOSED=transposed, GUARD_ROWS=guard,
+        GUARD_ROWS=guard,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs,
     )
 
@@ -70,7 +70,7 @@ def sweep_candidates(rows):
         rows.append(row)
 
 
-def sweep_cross(rows):
+def sweep_cross(rows, configs=True):
     for name, nq, nd, lq, ld in CROSS_SHAPES:
         Q, D = _unit(nq, lq, 128), _unit(nd, ld, 128)
         fwd = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False, save_argmax=True)  # noqa: E731
@@ -78,33 +78,37 @@ def sweep_cross(rows):
         g = torch.randn(nq, nd, device="cuda")
         gd, gq = torch.empty_like(D), torch.empty_like(Q)
         fwd_ms = do_bench(fwd)
-        uni_ms = do_bench(lambda: launch.backward(g, Q, D, arg, cross=True, normalize=False, need_q=True, need_d=True,
-                                                  strategy="unified"))
+        uni = lambda: launch.backward(g, Q, D, arg, cross=True, normalize=False, need_q=True, need_d=True,  # noqa: E731
+                                      strategy="unified")
+        ring_ms = do_bench(uni)
+        one_pass = launch.RING_SLOT_BYTES
+        launch._RING_CAPACITY.clear()
+        launch.RING_SLOT_BYTES = 1 << 40  # one slab covering every document: the old one-pass buffer
+        uni_ms = do_bench(uni)
+        launch.RING_SLOT_BYTES = one_pass
         gather_ms = do_bench(lambda: launch.backward(g, Q, D, arg, cross=True, normalize=False, need_q=True,
                                                      need_d=False, strategy="lowmem"))
-        print(f"{name}: forward+argmax {fwd_ms*1e3:.1f} us, unified backward {uni_ms*1e3:.1f} us, "
+        print(f"{name}: forward+argmax {fwd_ms*1e3:.1f} us, unified backward one slab {uni_ms*1e3:.1f} us, "
+              f"ring {ring_ms*1e3:.1f} us, "
               f"grad_Q gather alone {gather_ms*1e3:.1f} us", flush=True)
-        row = {"shape": name, "fwd_us": fwd_ms * 1e3, "unified_us": uni_ms * 1e3, "gather_us": gather_ms * 1e3,
+        row = {"shape": name, "fwd_us": fwd_ms * 1e3, "unified_us": uni_ms * 1e3, "ring_us": ring_ms * 1e3, "gather_us": gather_ms * 1e3,
                "configs": []}
+        if not configs:
+            rows.append(row)
+            continue
         best = None
-        for cfg, transposed in itertools.product(_configs(Q), (False, True)):
-            try:
-                ms = do_bench(lambda: _doc_launch(g, Q, D, arg, gd, gq, cross=True, n_gather=0, block_j=1, block_s=1,
-                                                  cfg=cfg, transposed=transposed, guard=False))
-            except Exception as exc:  # out of resources for this config: report, go on
-                print(f"   {cfg} transposed={transposed}: {type(exc).__name__}", flush=True)
-                continue
-            desc = f"{cfg} transposed={transposed}"
-            row["configs"].append({"config": desc, "us": ms * 1e3})
-            print(f"   {desc:70s} {ms*1e3:8.1f} us", flush=True)
+        for cfg in _configs(Q):
+            ms = do_bench(lambda: _doc_launch(g, Q, D, arg, gd, gq, cross=True, n_gather=0, block_j=1, block_s=1,
+                                              cfg=cfg, guard=False))
+            row["configs"].append({"config": str(cfg), "us": ms * 1e3})
+            print(f"   {str(cfg):70s} {ms*1e3:8.1f} us", flush=True)
             if best is None or ms < best[0]:
-                best = (ms, cfg, transposed)
-        ms, cfg, transposed = best
+                best = (ms, cfg)
+        ms, cfg = best
         guarded = do_bench(lambda: _doc_launch(g, Q, D, arg, gd, gq, cross=True, n_gather=0, block_j=1, block_s=1,
-                                               cfg=cfg, transposed=transposed, guard=True))
-        row["best"] = {"config": f"{cfg} transposed={transposed}", "us": ms * 1e3, "guarded_us": guarded * 1e3}
-        print(f"   best {cfg} transposed={transposed}: {ms*1e3:.1f} us, with the masked-row guard "
-              f"{guarded*1e3:.1f} us", flush=True)
+                                               cfg=cfg, guard=True))
+        row["best"] = {"config": str(cfg), "us": ms * 1e3, "guarded_us": guarded * 1e3}
+        print(f"   best {cfg}: {ms*1e3:.1f} us, with the masked-row guard {guarded*1e3:.1f} us", flush=True)
         rows.append(row)
         del Q, D, gd, arg
         torch.cuda.empty_cache()
@@ -112,8 +116,8 @@ def sweep_cross(rows):
 
 def main(out, which="all"):
     rows = []
-    if which in ("cross", "all"):
-        sweep_cross(rows)
+    if which in ("cross", "all", "ring"):
+        sweep_cross(rows, configs=which != "ring")
     if which in ("candidates", "all"):
         sweep_candidates(rows)
     with open(out, "w") as f:

@@ -49,18 +49,18 @@ class MaxSimFunction(torch.autograd.Function):
         )
         if needs_grad:
             ctx.save_for_backward(Q, D, argmax)
-            ctx.config = (impl, cross, normalize, choose_backward(strategy, cross=cross), pairs)
+            ctx.config = (impl, cross, normalize, choose_backward(strategy, cross=cross), pairs, q_mask is not None)
         return scores.squeeze(1) if pairs else scores
 
     @staticmethod
     def backward(ctx, grad_scores):
         Q, D, argmax = ctx.saved_tensors
-        impl, cross, normalize, strategy, pairs = ctx.config
+        impl, cross, normalize, strategy, pairs, q_masked = ctx.config
         if pairs:
             D, grad_scores = D.unsqueeze(1), grad_scores.unsqueeze(1)
         grad_q, grad_d = impl.backward(
             grad_scores, Q, D, argmax, cross=cross, normalize=normalize,
-            need_q=ctx.needs_input_grad[0], need_d=ctx.needs_input_grad[1], strategy=strategy,
+            need_q=ctx.needs_input_grad[0], need_d=ctx.needs_input_grad[1], strategy=strategy, q_masked=q_masked,
         )
         if pairs and grad_d is not None:
             grad_d = grad_d.squeeze(1)

@@ -95,9 +95,9 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     return scores, argmax
 
 
-def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="lowmem"):
+def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="lowmem", q_masked=True):
     """Gradients through the saved winners only: gather for Q, scatter-add for D."""
-    del strategy  # one deterministic strategy here
+    del strategy, q_masked  # one deterministic strategy here; masked rows are gathered, never multiplied
     nq, lq, dim = Q.shape
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
     cdt = _compute_dtype(Q.dtype)

@@ -7,6 +7,7 @@ import torch
 
 import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
+from lik_plugins.kernels.triton import launch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,6 +86,44 @@ def test_pairs_and_large_batch():
     out = lik.maxsim_pairs(Q, D[:, 0], qm, dm[:, 0])
     ref = reference.maxsim_pairs(Q.double(), D[:, 0].double(), qm, dm[:, 0])
     assert _rel(out, ref) < 1e-2
+
+
+class _LaunchSpy:
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("nq,nj,ld,need_q", [(256, 200, 256, True), (48, 40, 1030, True), (96, 64, 256, False)])
+def test_ring_unified_many_slabs(monkeypatch, normalize, nq, nj, ld, need_q):
+    """Hundreds of programs meeting at one grid barrier per slab, both slots reused many times."""
+    spy = _LaunchSpy(launch.maxsim_bwd_ring_kernel)
+    monkeypatch.setattr(launch, "maxsim_bwd_ring_kernel", spy)
+    monkeypatch.setattr(launch, "RING_SLOT_BYTES", ld * 128 * 4 * 3)
+    monkeypatch.setattr(launch, "RING_SLOT_FRACTION", 1 << 20)      # three documents per slab
+    Q, D, qm, dm = _inputs(nq, nj, 32, ld, 128, torch.bfloat16, kd=False)
+    Q.requires_grad_(need_q); D.requires_grad_()
+    out = lik.maxsim(Q, D, qm, dm, normalize=normalize, backward="unified")
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (Q, D) if need_q else (D,), grad)
+    assert spy.launches == 1
+    Q64, D64 = Q.detach().double(), D.detach().double()
+    _, arg = chunked.forward(Q64, D64, qm, dm, cross=True, normalize=normalize, zero_mode=False, save_argmax=True)
+    want = chunked.backward(grad.double(), Q64, D64, arg, cross=True, normalize=normalize, need_q=True, need_d=True)
+    for g, w in zip(got, want if need_q else want[1:]):
+        assert _rel(g, w) < TOL[torch.bfloat16][1]
+    assert torch.equal(got[-1][0], torch.zeros_like(got[-1][0]))      # fully masked document
+
+
+def test_ring_falls_back_when_its_programs_cannot_all_be_resident(monkeypatch):
+    spy = _LaunchSpy(launch.maxsim_bwd_ring_kernel)
+    monkeypatch.setattr(launch, "maxsim_bwd_ring_kernel", spy)
+    _check(8192, 6, 32, 64, 128, torch.bfloat16, backward="unified")   # 8192 programs: more than fit
+    assert spy.launches == 0
 
 
 def test_lowmem_is_bitwise_deterministic():

@@ -36,47 +36,41 @@ def _project(b_g, b_x, b_r):
 
 
 @triton.jit
-def _gather_body(
-    pid,
-    G, Q, D, RQ, RD, ARG, GQ, GD32,
-    n_q, n_j, lq, ld, dim,
-    s_gi, s_gj,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_rdi, s_rdj,
-    s_gdi, s_gdj, s_ai,
-    n_split, j_per_split,
-    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, PARTIAL: tl.constexpr,
-    BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
-):
-    # BLOCK_J documents per step: BLOCK_J * BLOCK_S independent row gathers in flight,
-    # instead of one dependent (argmax -> row) load chain per document.  Few queries
-    # (rerank) split their documents over ``n_split`` programs; fp32 partials (PARTIAL)
-    # are then summed on the host in a fixed order, so grad_Q stays deterministic.
+def _gather_rows(pid, Q, RQ, lq, dim, s_qi, s_qs, s_qh, NORMALIZE: tl.constexpr, BLOCK_S: tl.constexpr,
+                 D_PAD: tl.constexpr):
+    """Program ``pid``'s query and token block: (query, tokens, token mask, dim mask,
+    fp32 rows, q_hat rows, 1/||q||) -- the rows are loaded once for the whole walk."""
     n_sb = tl.cdiv(lq, BLOCK_S)
-    i_split = pid % n_split
-    pid = pid // n_split
     i_q = (pid // n_sb).to(tl.int64)
     o_s = (pid % n_sb) * BLOCK_S + tl.arange(0, BLOCK_S)
     o_h = tl.arange(0, D_PAD)
-    o_j = tl.arange(0, BLOCK_J)
     m_s = o_s < lq
     m_h = o_h < dim
-    m_sh = m_s[:, None] & m_h[None, :]
-    p_q = Q + i_q * s_qi + o_s[:, None] * s_qs + o_h[None, :] * s_qh
+    b_q = tl.load(Q + i_q * s_qi + o_s[:, None] * s_qs + o_h[None, :] * s_qh,
+                  mask=m_s[:, None] & m_h[None, :], other=0.0).to(tl.float32)           # [BS, DP]
+    b_rq = tl.load(RQ + i_q * lq + o_s, mask=m_s & NORMALIZE, other=1.0)
+    b_qs = b_q * b_rq[:, None] if NORMALIZE else b_q                                   # q_hat
+    return i_q, o_s, m_s, m_h, b_q, b_qs, b_rq
 
-    if SCATTER_D or NORMALIZE:
-        b_q = tl.load(p_q, mask=m_sh, other=0.0).to(tl.float32)                         # [BS, DP]
-    if NORMALIZE:
-        b_rq = tl.load(RQ + i_q * lq + o_s, mask=m_s, other=0.0)
-    if SCATTER_D:
-        b_qs = b_q
-        if NORMALIZE:
-            b_qs = b_q * b_rq[:, None]                                                 # q_hat
 
-    b_acc = tl.zeros([BLOCK_S, D_PAD], tl.float32)
-    j_lo = i_split * j_per_split
-    j_hi = tl.minimum(j_lo + j_per_split, n_j)
+@triton.jit
+def _gather_walk(
+    b_acc, i_q, o_s, m_s, m_h, b_qs, j_lo, j_hi,
+    G, D, RD, ARG, GD32,
+    lq, dim,
+    s_gi, s_gj,
+    s_di, s_dj, s_dt, s_dh,
+    s_rdi, s_rdj,
+    s_gdi, s_gdj, s_ai, gd_j0,
+    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_J: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # BLOCK_J documents per step: BLOCK_J * BLOCK_S independent row gathers in flight,
+    # instead of one dependent (argmax -> row) load chain per document.  grad_Q
+    # accumulates in ``b_acc``; with SCATTER_D, ``g * q`` goes to GD32 (document ``j`` at
+    # ``j - gd_j0``) with relaxed atomics.
+    o_h = tl.arange(0, D_PAD)
+    o_j = tl.arange(0, BLOCK_J)
     for j0 in range(j_lo, j_hi, BLOCK_J):
         o_jj = j0 + o_j                                                                # [BJ]
         m_j = o_jj < j_hi
@@ -95,19 +89,66 @@ def _gather_body(
                 b_w = b_w * tl.load(p_rd, mask=m_a, other=0.0)
             b_acc += tl.sum(b_d * b_w[:, :, None], axis=0)
         if SCATTER_D:
-            p_gd = GD32 + i_q * s_gdi + o_jj[:, None, None].to(tl.int64) * s_gdj \
+            p_gd = GD32 + i_q * s_gdi + (o_jj - gd_j0)[:, None, None].to(tl.int64) * s_gdj \
                 + b_a[:, :, None] * dim + o_h[None, None, :]
             tl.atomic_add(p_gd, b_qs[None, :, :] * b_g[:, None, None], mask=m_ah, sem="relaxed")  # fire-and-forget red
+    return b_acc
 
+
+@triton.jit
+def _store_grad_q(GQ, b_acc, b_q, b_rq, i_q, o_s, m_s, m_h, lq, dim, NORMALIZE: tl.constexpr):
+    if NORMALIZE:
+        b_acc = _project(b_acc, b_q, b_rq)
+    o_h = tl.arange(0, b_acc.shape[1])
+    p_gq = GQ + i_q * lq * dim + o_s[:, None] * dim + o_h[None, :]
+    tl.store(p_gq, b_acc.to(GQ.dtype.element_ty), mask=m_s[:, None] & m_h[None, :])
+
+
+@triton.jit
+def _gather_body(
+    pid,
+    G, Q, D, RQ, RD, ARG, GQ, GD32,
+    n_q, n_j, lq, ld, dim,
+    s_gi, s_gj,
+    s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh,
+    s_rdi, s_rdj,
+    s_gdi, s_gdj, s_ai,
+    n_split, j_per_split,
+    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # Few queries (rerank) split their documents over ``n_split`` programs; fp32 partials
+    # (PARTIAL) are then summed on the host in a fixed order, so grad_Q stays deterministic.
+    i_split = pid % n_split
+    i_q, o_s, m_s, m_h, b_q, b_qs, b_rq = _gather_rows(
+        pid // n_split, Q, RQ, lq, dim, s_qi, s_qs, s_qh, NORMALIZE, BLOCK_S, D_PAD)
+    j_lo = i_split * j_per_split
+    b_acc = _gather_walk(
+        tl.zeros([BLOCK_S, D_PAD], tl.float32), i_q, o_s, m_s, m_h, b_qs, j_lo, tl.minimum(j_lo + j_per_split, n_j),
+        G, D, RD, ARG, GD32, lq, dim, s_gi, s_gj, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_gdi, s_gdj, s_ai, 0,
+        NEED_Q, SCATTER_D, NORMALIZE, BLOCK_J, D_PAD,
+    )
     if NEED_Q:
         if PARTIAL:
+            o_h = tl.arange(0, D_PAD)
             p_gq = GQ + ((i_split * n_q + i_q) * lq + o_s[:, None]) * dim + o_h[None, :]
-            tl.store(p_gq, b_acc, mask=m_sh)
+            tl.store(p_gq, b_acc, mask=m_s[:, None] & m_h[None, :])
         else:
-            if NORMALIZE:
-                b_acc = _project(b_acc, b_q, b_rq)
-            p_gq = GQ + i_q * lq * dim + o_s[:, None] * dim + o_h[None, :]
-            tl.store(p_gq, b_acc.to(GQ.dtype.element_ty), mask=m_sh)
+            _store_grad_q(GQ, b_acc, b_q, b_rq, i_q, o_s, m_s, m_h, lq, dim, NORMALIZE)
+
+
+@triton.jit
+def _grid_arrive_and_wait(SYNC, i_slab, n_programs):
+    """Barrier across all programs of the launch (they must all be resident): count in,
+    then spin until everyone has.  Release/acquire at GPU scope after a block barrier
+    orders every thread's earlier writes (and reductions) before the others' later reads."""
+    tl.debug_barrier()
+    tl.atomic_add(SYNC + i_slab, 1, sem="release", scope="gpu")
+    n = tl.atomic_add(SYNC + i_slab, 0, sem="acquire", scope="gpu")
+    while n < n_programs:
+        n = tl.atomic_add(SYNC + i_slab, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -128,7 +169,7 @@ def _doc_body(
     CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
-    TRANSPOSED: tl.constexpr, GUARD_ROWS: tl.constexpr,
+    GUARD_ROWS: tl.constexpr,
 ):
     n_tb = tl.cdiv(ld, BLOCK_T)
     i_doc = (pid // n_tb).to(tl.int64)
@@ -155,10 +196,7 @@ def _doc_body(
     # load only blocks at first use).  The query rows and weights are pipelined by Triton;
     # their addresses must not depend on the argmax for that (benchmarks/NOTES.md, v9).
     b_a_next = _doc_winners(ARG, r_lo + o_r, r_hi, i_j, n_j, lq)
-    if TRANSPOSED:
-        b_acc = tl.zeros([D_PAD, BLOCK_T], tl.float32)
-    else:
-        b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+    b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
     for r0 in range(r_lo, r_hi, BLOCK_R):
         b_a = b_a_next
         b_a_next = _doc_winners(ARG, r0 + BLOCK_R + o_r, r_hi, i_j, n_j, lq)
@@ -172,23 +210,17 @@ def _doc_body(
         b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
                       mask=m_r[:, None] & m_h[None, :], other=0.0)                    # [BR, DP]
         if GUARD_ROWS:
-            # rows without a winner (masked query tokens): 0 * NaN must not leak
+            # rows without a winner (masked query tokens): 0 * NaN must not leak.  Only
+            # with a query mask: the select sends the rows through registers and back to
+            # shared memory, which cost 40 % on an H100 (NOTES v9)
             b_q = tl.where((b_a >= 0)[:, None], b_q, 0.0)
         if F32_DOT or UPCAST:
             b_q = b_q.to(tl.float32)
-        if TRANSPOSED:
-            b_w = tl.where(b_a[:, None] == o_t[None, :], b_g[:, None], 0.0)              # [BR, BT]
-            if not (F32_DOT or UPCAST):
-                b_w = b_w.to(b_q.dtype)
-            b_acc = tl.dot(tl.trans(b_q), b_w, b_acc, input_precision=PRECISION)       # [DP, BR] @ [BR, BT]
-        else:
-            b_w = tl.where(b_a[None, :] == o_t[:, None], b_g[None, :], 0.0)              # [BT, BR] one-hot * g
-            # bf16 operands, as the host's own bf16 backward rounds its incoming gradient
-            if not (F32_DOT or UPCAST):
-                b_w = b_w.to(b_q.dtype)
-            b_acc = tl.dot(b_w, b_q, b_acc, input_precision=PRECISION)                 # [BT, BR] @ [BR, DP]
-    if TRANSPOSED:
-        b_acc = tl.trans(b_acc)
+        b_w = tl.where(b_a[None, :] == o_t[:, None], b_g[None, :], 0.0)                  # [BT, BR] one-hot * g
+        # bf16 operands, as the host's own bf16 backward rounds its incoming gradient
+        if not (F32_DOT or UPCAST):
+            b_w = b_w.to(b_q.dtype)
+        b_acc = tl.dot(b_w, b_q, b_acc, input_precision=PRECISION)                     # [BT, BR] @ [BR, DP]
 
     p_d = D + i_own * s_di + i_j * s_dj
     if NORMALIZE:
@@ -233,7 +265,7 @@ def maxsim_bwd_doc_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
     WITH_GATHER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-    TRANSPOSED: tl.constexpr = False, GUARD_ROWS: tl.constexpr = True,
+    GUARD_ROWS: tl.constexpr,
 ):
     """``lowmem`` grad_D; with ``WITH_GATHER`` the first ``n_gather_programs`` programs
     compute grad_Q (the gather, unsplit) in the same launch: one launch less per step,
@@ -250,13 +282,13 @@ def maxsim_bwd_doc_kernel(
             _doc_body(
                 pid - n_gather_programs, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj,
                 s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION,
-                UPCAST, BLOCK_T, BLOCK_R, D_PAD, TRANSPOSED, GUARD_ROWS,
+                UPCAST, BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS,
             )
     else:
         _doc_body(
             pid, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
             s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST,
-            BLOCK_T, BLOCK_R, D_PAD, TRANSPOSED, GUARD_ROWS,
+            BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS,
         )
 
 
@@ -347,6 +379,68 @@ def maxsim_bwd_winners_kernel(
             pid, G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
             s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_ai, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD,
         )
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "slab", "n_slabs", "n_programs", "rows_per_program"])
+def maxsim_bwd_ring_kernel(
+    G, Q, D, RQ, RD, ARG, GQ, GD, SLOTS, SYNC,
+    n_q, n_j, lq, ld, dim,
+    s_gi, s_gj,
+    s_qi, s_qs, s_qh,
+    s_dj, s_dt, s_dh,
+    s_rdj, s_ai,
+    slab, n_slabs, n_programs, rows_per_program,
+    NEED_Q: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """``unified`` backward of the cross product with a bounded fp32 buffer, in one launch.
+
+    Every program owns one (query, token block) for the whole walk, as the gather kernel,
+    but walks the documents slab by slab: it scatters slab ``s`` into ring slot ``s % 2``,
+    meets the others at a grid barrier, then converts its share of that slot to grad_D in
+    the input dtype and zeroes it.  Slot ``s % 2`` is written again at slab ``s + 2``, after
+    the barrier of slab ``s + 1``, which every program reaches only after its share of
+    slab ``s`` is converted -- one barrier per slab, no host round trip, and the buffer is
+    two slabs instead of all documents.  All programs must be resident at once (the host
+    checks the occupancy before choosing this kernel)."""
+    pid = tl.program_id(0)
+    i_q, o_s, m_s, m_h, b_q, b_qs, b_rq = _gather_rows(
+        pid, Q, RQ, lq, dim, s_qi, s_qs, s_qh, NORMALIZE, BLOCK_S, D_PAD)
+    o_c = tl.arange(0, BLOCK_C)
+    o_h = tl.arange(0, D_PAD)
+    b_acc = tl.zeros([BLOCK_S, D_PAD], tl.float32)
+    slot_elems = slab.to(tl.int64) * ld * dim
+    for i_slab in range(0, n_slabs):
+        j_lo = i_slab * slab
+        j_hi = tl.minimum(j_lo + slab, n_j)
+        p_slot = SLOTS + (i_slab % 2) * slot_elems
+        b_acc = _gather_walk(
+            b_acc, i_q, o_s, m_s, m_h, b_qs, j_lo, j_hi,
+            G, D, RD, ARG, p_slot, lq, dim, s_gi, s_gj, 0, s_dj, s_dt, s_dh, 0, s_rdj, 0, ld * dim, s_ai, j_lo,
+            NEED_Q, True, NORMALIZE, BLOCK_J, D_PAD,
+        )
+        _grid_arrive_and_wait(SYNC, i_slab, n_programs)
+        # this program's rows of the slab: fp32 (read past L1: other SMs wrote them) ->
+        # grad_D in the input dtype, and the slot zeroed for slab i_slab + 2
+        n_rows = (j_hi - j_lo) * ld
+        for c0 in range(pid * rows_per_program, (pid + 1) * rows_per_program, BLOCK_C):
+            o_r = c0 + o_c
+            m_c = (o_r < n_rows) & (o_r < (pid + 1) * rows_per_program)
+            m_ch = m_c[:, None] & m_h[None, :]
+            p_r = p_slot + o_r[:, None].to(tl.int64) * dim + o_h[None, :]
+            b_g32 = tl.load(p_r, mask=m_ch, other=0.0, cache_modifier=".cg")
+            o_row = j_lo.to(tl.int64) * ld + o_r                                          # row of grad_D
+            if NORMALIZE:
+                i_dj = o_row // ld
+                i_dt = o_row % ld
+                b_d = tl.load(D + i_dj[:, None] * s_dj + i_dt[:, None] * s_dt + o_h[None, :] * s_dh,
+                              mask=m_ch, other=0.0).to(tl.float32)
+                b_rd = tl.load(RD + i_dj * s_rdj + i_dt, mask=m_c, other=0.0)
+                b_g32 = _project(b_g32, b_d, b_rd)
+            tl.store(GD + o_row[:, None] * dim + o_h[None, :], b_g32.to(GD.dtype.element_ty), mask=m_ch)
+            tl.store(p_r, tl.zeros([BLOCK_C, D_PAD], tl.float32), mask=m_ch)
+    if NEED_Q:
+        _store_grad_q(GQ, b_acc, b_q, b_rq, i_q, o_s, m_s, m_h, lq, dim, NORMALIZE)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from ..common import inverse_norms
-from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
+from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
 from .forward import maxsim_fwd_kernel
 from .tuning import doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
 
@@ -29,6 +29,11 @@ GATHER_SPLIT_BELOW = 64
 # documents are scattered slab by slab.  Slabs cost time (each is a launch with less
 # parallelism: 4 MiB measured 1.3-3x slower on an H100), so the cap is generous.
 UNIFIED_BUFFER_BYTES = 64 << 20
+# The ring backward (one launch, grid barrier per slab) keeps two slabs of fp32 grad_D:
+# each slot holds at least RING_SLOT_BYTES, or 1/16 of grad_D in the input dtype when that
+# is larger (fewer slabs, fewer barriers on big problems).
+RING_SLOT_BYTES = 2 << 20
+RING_SLOT_FRACTION = 16
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -209,9 +214,71 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
             grad_q.copy_(summed)
 
 
-def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
+_RING_CAPACITY: dict = {}
+
+
+def _resident_programs(compiled, device) -> int:
+    """How many programs of ``compiled`` an idle GPU keeps resident at once."""
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * compiled.metadata.num_warps
+    regs = max(8, -(-max(compiled.n_regs, 1) // 8) * 8) * threads   # allocation granularity
+    per_sm = min(
+        getattr(props, "max_threads_per_multi_processor", 2048) // threads,
+        getattr(props, "regs_per_multiprocessor", 65536) // regs,
+        getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // max(compiled.metadata.shared + 1024, 1),
+        32,
+    )
+    return per_sm * props.multi_processor_count
+
+
+def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize):
+    """grad_Q and grad_D of the cross product through :func:`maxsim_bwd_ring_kernel`, or
+    None when its programs would not all be resident (the grid barrier needs them to be)."""
+    nq, lq, dim = Q.shape
+    nj, ld = D.shape[0], D.shape[1]
+    d_pad = max(16, next_pow2(dim))
+    block_s, block_j, n_programs, _, _ = _gather_blocking(nq, nj, lq, d_pad)
+    need_q = grad_q is not None
+    meta = dict(NEED_Q=need_q, NORMALIZE=bool(normalize), BLOCK_J=block_j, BLOCK_S=block_s,
+                BLOCK_C=max(1, min(32, 4096 // d_pad)), D_PAD=d_pad)
+    if interpreting():
+        if n_programs != 1:  # the interpreter runs programs one after another: no barrier
+            return None
+    else:
+        meta["num_warps"] = 4 if d_pad <= 128 else 8
+    doc_bytes = ld * dim * 4
+    slot_bytes = max(RING_SLOT_BYTES, D.numel() * D.element_size() // RING_SLOT_FRACTION)
+    slab = max(1, min(nj, slot_bytes // doc_bytes))
+    n_slabs = _cdiv(nj, slab)
+    device = Q.device
+    key = (device, tuple(sorted(meta.items())), Q.dtype, D.dtype)
+    if key in _RING_CAPACITY and n_programs > _RING_CAPACITY[key]:
+        return None
+    grad_d = torch.empty(D.shape, dtype=D.dtype, device=device)
+    slots = torch.zeros((2 if n_slabs > 1 else 1, slab, ld, dim), dtype=torch.float32, device=device)
+    sync = torch.zeros(n_slabs, dtype=torch.int32, device=device)
+    args = (
+        grad, Q, D, rq, rd, argmax, grad_q if need_q else grad_d, grad_d, slots, sync,
+        nq, nj, lq, ld, dim,
+        grad.stride(0), grad.stride(1),
+        Q.stride(0), Q.stride(1), Q.stride(2),
+        D.stride(0), D.stride(1), D.stride(2),
+        rd.stride(0) if normalize else 0, argmax.stride(0),
+        slab, n_slabs, n_programs, _cdiv(slab * ld, n_programs),
+    )
+    if not interpreting() and key not in _RING_CAPACITY:
+        compiled = maxsim_bwd_ring_kernel.warmup(*args, grid=(n_programs,), **meta)
+        _RING_CAPACITY[key] = _resident_programs(compiled, device)
+        if n_programs > _RING_CAPACITY[key]:
+            return None
+    maxsim_bwd_ring_kernel[(n_programs,)](*args, **meta)
+    return grad_q, grad_d
+
+
+def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, q_masked=True):
     """``strategy``: ``"lowmem"`` (destination-owned grad_D, deterministic, no fp32 buffer)
-    or ``"unified"`` (gather + atomic scatter in one pass over the argmax)."""
+    or ``"unified"`` (gather + atomic scatter in one pass over the argmax).  ``q_masked``:
+    the forward had a query mask, so rows without a winner may hold anything (NaN)."""
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     device = Q.device
@@ -228,9 +295,14 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
 
     scatter = need_d and strategy == "unified"
     # fp32 inputs without normalisation scatter straight into grad_D; otherwise an fp32
-    # buffer is needed, and for the cross product it is bounded by scattering a slab of
-    # documents at a time (grad_Q then gets its own gather pass).
+    # buffer is needed, and for the cross product it is bounded: two slabs of documents in
+    # one launch (the ring) when its programs fit on the GPU at once, else slab by slab
+    # from the host (grad_Q then gets its own gather pass).
     direct = scatter and D.dtype == torch.float32 and not normalize
+    if scatter and cross and not direct:
+        ring = _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, normalize=normalize)
+        if ring is not None:
+            return ring
     slab = nj
     if scatter and not direct and cross:
         slab = max(1, min(nj, UNIFIED_BUFFER_BYTES // max(ld * dim * 4, 1)))
@@ -293,10 +365,10 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy):
         n_docs = nj if cross else nq * nj
         kernel, meta, after_launch = doc_kernel_and_meta(
             d_pad=d_pad, n_programs_at_64=n_docs * _cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
-            normalize=normalize, with_gather=fused_gather, dtype=Q.dtype,
+            normalize=normalize, with_gather=fused_gather, dtype=Q.dtype, guard_rows=q_masked,
         )
         kernel[lambda m: (n_gather + n_docs * _cdiv(ld, m["BLOCK_T"]),)](
-            *lowmem_args, CROSS=cross, **lowmem_meta, **meta,
+            *lowmem_args, CROSS=cross, GUARD_ROWS=q_masked, **lowmem_meta, **meta,
         )
         if after_launch is not None:
             after_launch()
