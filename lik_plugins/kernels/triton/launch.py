@@ -220,6 +220,8 @@ _RING_CAPACITY: dict = {}
 def _resident_programs(compiled, device) -> int:
     """How many programs of ``compiled`` an idle GPU keeps resident at once."""
     props = torch.cuda.get_device_properties(device)
+    if getattr(compiled, "n_regs", None) is None:
+        compiled._init_handles()  # loads the binary: register count and spills become known
     threads = 32 * compiled.metadata.num_warps
     regs = max(8, -(-max(compiled.n_regs, 1) // 8) * 8) * threads   # allocation granularity
     per_sm = min(

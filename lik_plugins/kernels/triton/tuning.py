@@ -115,10 +115,12 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
 def _doc_configs():
     return [
         triton.Config({"BLOCK_T": t, "BLOCK_R": r}, num_warps=w, num_stages=st)
+        # the H100 sweep (benchmarks/NOTES.md, v9): tall token tiles and K >= 64 won every
+        # cross shape; narrower tiles stay for wide embeddings (the accumulator must fit)
         for t in (32, 64, 128)
-        for r in (32, 64, 128)
+        for r in (64, 128)
         for w in (4, 8)
-        for st in (2, 3, 4)
+        for st in (2, 3)
     ]
 
 
