@@ -81,11 +81,10 @@ def sweep_cross(rows, configs=True):
         uni = lambda: launch.backward(g, Q, D, arg, cross=True, normalize=False, need_q=True, need_d=True,  # noqa: E731
                                       strategy="unified")
         ring_ms = do_bench(uni)
-        one_pass = launch.RING_SLOT_BYTES
-        launch._RING_CAPACITY.clear()
-        launch.RING_SLOT_BYTES = 1 << 40  # one slab covering every document: the old one-pass buffer
+        default_slabs = launch.RING_SLABS
+        launch.RING_SLABS = 1  # one slab covering every document: the old one-pass buffer
         uni_ms = do_bench(uni)
-        launch.RING_SLOT_BYTES = one_pass
+        launch.RING_SLABS = default_slabs
         gather_ms = do_bench(lambda: launch.backward(g, Q, D, arg, cross=True, normalize=False, need_q=True,
                                                      need_d=False, strategy="lowmem"))
         print(f"{name}: forward+argmax {fwd_ms*1e3:.1f} us, unified backward one slab {uni_ms*1e3:.1f} us, "

@@ -29,11 +29,11 @@ GATHER_SPLIT_BELOW = 64
 # documents are scattered slab by slab.  Slabs cost time (each is a launch with less
 # parallelism: 4 MiB measured 1.3-3x slower on an H100), so the cap is generous.
 UNIFIED_BUFFER_BYTES = 64 << 20
-# The ring backward (one launch, grid barrier per slab) keeps two slabs of fp32 grad_D:
-# each slot holds at least RING_SLOT_BYTES, or 1/16 of grad_D in the input dtype when that
-# is larger (fewer slabs, fewer barriers on big problems).
-RING_SLOT_BYTES = 2 << 20
-RING_SLOT_FRACTION = 16
+# The ring backward (one launch, one grid barrier per slab) walks the documents in this
+# many slabs and keeps two of them in fp32: 1/16 of a one-pass buffer, i.e. 1/8 of grad_D
+# in bf16.  On an H100 the ring ran within 10 % of the one-pass buffer at 16-32 slabs and
+# faster at ColPali 256 (the slots stay in L2; benchmarks/NOTES.md, v9).
+RING_SLABS = 32
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -248,9 +248,7 @@ def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize):
             return None
     else:
         meta["num_warps"] = 4 if d_pad <= 128 else 8
-    doc_bytes = ld * dim * 4
-    slot_bytes = max(RING_SLOT_BYTES, D.numel() * D.element_size() // RING_SLOT_FRACTION)
-    slab = max(1, min(nj, slot_bytes // doc_bytes))
+    slab = _cdiv(nj, RING_SLABS)
     n_slabs = _cdiv(nj, slab)
     device = Q.device
     key = (device, tuple(sorted(meta.items())), Q.dtype, D.dtype)
