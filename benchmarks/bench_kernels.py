@@ -1,7 +1,7 @@
 """Side-by-side MaxSim benchmark: eager PyTorch, lik_plugins, late-interaction-kernels,
 flash-maxsim — one process, the same inputs, the same GPU.
 
-Usage: python benchmarks/bench_kernels.py OUT_DIR [--quick] [--repeat-runs 2]
+Usage: python benchmarks/bench_kernels.py OUT_DIR [--quick] [--runs 2] [--only a,b] [--merge RUN1.json RUN2.json]
 
 Per shape and implementation: median time (CUDA events, many repetitions, inputs rotated
 across several copies so the L2 does not hold them), peak memory above the inputs
@@ -52,6 +52,18 @@ SHAPES = [
     Shape("hard-neg 256x16 Ld1030", "train", "kd", 256, 16, 32, 1030),
     Shape("pairs 512 Ld256", "train", "pairs", 512, 1, 32, 256),
 ]
+# The performance issue's additional shapes: compute-bound forwards (in-batch scoring,
+# Lq 128), a 100k-document rerank (memory-bound), ColPali image queries (Lq 512), and the
+# small REPL / unit-test regime (Nq * Nd <= 64: launch overhead).
+EXTRA_SHAPES = [
+    Shape("in-batch fwd 256 Lq32 Ld256", "inference", "cross", 256, 256, 32, 256),
+    Shape("search 64x4096 Lq128 Ld256", "inference", "cross", 64, 4096, 128, 256),
+    Shape("rerank 1x100k Lq32 Ld300", "inference", "cross", 1, 100_000, 32, 300),
+    Shape("long-query 16x1000 Lq512 Ld1030", "inference", "cross", 16, 1000, 512, 1030),
+    Shape("small fwd 8x8 Lq32 Ld256", "inference", "cross", 8, 8, 32, 256),
+    Shape("small train 8x8 Lq32 Ld256", "train", "cross", 8, 8, 32, 256),
+]
+ALL_SHAPES = SHAPES + EXTRA_SHAPES
 
 
 # ---------------------------------------------------------------- implementations
@@ -201,9 +213,9 @@ def run(out_dir: str, quick: bool, runs: int, only: str | None = None):
     ceilings = measure_ceilings()
     print(f"[bench] ceilings: {ceilings}")
     rows = []
-    shapes = SHAPES[:3] + SHAPES[4:5] + SHAPES[8:9] if quick else SHAPES
+    shapes = SHAPES[:3] + SHAPES[4:5] + SHAPES[8:9] if quick else ALL_SHAPES
     if only:
-        shapes = [s for s in SHAPES if any(part in s.name for part in only.split(","))]
+        shapes = [s for s in ALL_SHAPES if any(part in s.name for part in only.split(","))]
     for shape in shapes:
         in_bytes = flops_bytes(shape)[1]
         # rotate enough input copies that they do not all fit in the 50 MB L2
@@ -247,12 +259,25 @@ def run(out_dir: str, quick: bool, runs: int, only: str | None = None):
 
     meta = environment()
     meta["ceilings"] = ceilings
+    write(out_dir, rows, meta)
+
+
+def write(out_dir, rows, meta):
     with open(f"{out_dir}/kernels.json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     md = markdown(rows, meta)
     with open(f"{out_dir}/kernels.md", "w") as f:
         f.write(md)
     print(md)
+
+
+def merge(out_dir, parts):
+    """One table from several runs of this script (each call of the device is time-limited):
+    rows concatenated in order, the first part's environment, every part's command."""
+    loaded = [json.load(open(p)) for p in parts]
+    meta = dict(loaded[0]["meta"])
+    meta["command"] = " ; ".join(part["meta"]["command"] for part in loaded)
+    write(out_dir, [r for part in loaded for r in part["rows"]], meta)
 
 
 def environment():
@@ -320,5 +345,9 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--only", help="comma-separated substrings of shape names")
+    ap.add_argument("--merge", nargs="+", metavar="KERNELS_JSON", help="only merge earlier runs into OUT_DIR")
     args = ap.parse_args()
-    run(args.out_dir, args.quick, args.runs, args.only)
+    if args.merge:
+        merge(args.out_dir, args.merge)
+    else:
+        run(args.out_dir, args.quick, args.runs, args.only)
