@@ -8,6 +8,7 @@ import torch
 import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
 from lik_plugins.kernels.triton import launch
+from maxsim_testlib import LaunchSpy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -88,23 +89,11 @@ def test_pairs_and_large_batch():
     assert _rel(out, ref) < 1e-2
 
 
-class _LaunchSpy:
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-    def __getattr__(self, name):  # warmup() and the rest: the kernel's own
-        return getattr(self.kernel, name)
-
-
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("nq,nj,ld,need_q", [(256, 200, 256, True), (48, 40, 1030, True), (96, 64, 256, False)])
 def test_ring_unified_many_slabs(monkeypatch, normalize, nq, nj, ld, need_q):
     """Hundreds of programs meeting at one grid barrier per slab, both slots reused many times."""
-    spy = _LaunchSpy(launch.maxsim_bwd_ring_kernel)
+    spy = LaunchSpy(launch.maxsim_bwd_ring_kernel)
     monkeypatch.setattr(launch, "maxsim_bwd_ring_kernel", spy)
     monkeypatch.setattr(launch, "RING_SLABS", -(-nj // 3))          # three documents per slab
     Q, D, qm, dm = _inputs(nq, nj, 32, ld, 128, torch.bfloat16, kd=False)
@@ -122,7 +111,7 @@ def test_ring_unified_many_slabs(monkeypatch, normalize, nq, nj, ld, need_q):
 
 
 def test_ring_falls_back_when_its_programs_cannot_all_be_resident(monkeypatch):
-    spy = _LaunchSpy(launch.maxsim_bwd_ring_kernel)
+    spy = LaunchSpy(launch.maxsim_bwd_ring_kernel)
     monkeypatch.setattr(launch, "maxsim_bwd_ring_kernel", spy)
     _check(8192, 6, 32, 64, 128, torch.bfloat16, backward="unified")   # 8192 programs: more than fit
     assert spy.launches == 0

@@ -28,6 +28,20 @@ TOL = {
 }
 
 
+class LaunchSpy:
+    """Stands in for a Triton kernel object and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+    def __getattr__(self, name):  # warmup() and the rest: the kernel's own
+        return getattr(self.kernel, name)
+
+
 def seed_of(nodeid: str) -> int:
     """A per-test seed: fresh inputs for every test, reproducible across runs."""
     return zlib.crc32(nodeid.encode())

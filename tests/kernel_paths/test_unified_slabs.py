@@ -6,6 +6,7 @@ import torch
 import lik_plugins as lik
 from lik_plugins.kernels import reference
 from lik_plugins.kernels.triton import launch
+from maxsim_testlib import LaunchSpy
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -32,20 +33,6 @@ def test_slabbed_unified_matches_reference(monkeypatch, normalize, dtype):
     assert torch.equal(gd[2], torch.zeros_like(gd[2]))  # fully masked document: exact zeros
 
 
-class _LaunchSpy:
-    """Stands in for a Triton kernel object and counts its launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-    def __getattr__(self, name):  # warmup() and the rest: the kernel's own
-        return getattr(self.kernel, name)
-
-
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("need_q", [True, False])
@@ -54,7 +41,7 @@ def test_ring_unified_matches_reference(monkeypatch, normalize, dtype, need_q):
     programs one after another, so it serves the ring only with one program (one query
     of <= 32 tokens); the GPU suite covers many programs meeting at the barrier."""
     monkeypatch.setenv("LIK_BACKEND", "triton")
-    spy = _LaunchSpy(launch.maxsim_bwd_ring_kernel)
+    spy = LaunchSpy(launch.maxsim_bwd_ring_kernel)
     monkeypatch.setattr(launch, "maxsim_bwd_ring_kernel", spy)
     monkeypatch.setattr(launch, "RING_SLABS", 3)
     g = torch.Generator().manual_seed(11)
