@@ -100,6 +100,20 @@ def make_inputs(gen, layout, nq, nj, lq, ld, d, dtype=torch.float32, *, masks=Tr
     return Q.to(dtype), D.to(dtype), qm, dm
 
 
+def noncontiguous_inputs(gen, layout, nq, nj, lq, ld, d):
+    """Q, D, q_mask, d_mask as transposed / permuted views (none of them contiguous)."""
+    Q = torch.randn(lq, nq, d, generator=gen).transpose(0, 1)
+    if layout == "cross":
+        D = torch.randn(nj, d, ld, generator=gen).transpose(1, 2)
+        dm = (torch.rand(ld, nj, generator=gen) > 0.3).t()
+    else:
+        D = torch.randn(nq, ld, nj, d, generator=gen).permute(0, 2, 1, 3)
+        dm = (torch.rand(nq, ld, nj, generator=gen) > 0.3).permute(0, 2, 1)
+    qm = (torch.rand(lq, nq, generator=gen) > 0.2).t()
+    assert not (Q.is_contiguous() or D.is_contiguous() or qm.is_contiguous() or dm.is_contiguous())
+    return Q, D, qm, dm
+
+
 def op(layout):
     return lik.maxsim_pairs if layout == "pairs" else lik.maxsim
 

@@ -14,7 +14,7 @@ import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
 from maxsim_testlib import (
     LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
-    tied_inputs,
+    noncontiguous_inputs, tied_inputs,
 )
 
 SHAPES = {
@@ -98,15 +98,7 @@ def test_odd_sizes(gen, monkeypatch, layout, shape, budget):
 def test_noncontiguous_inputs_and_masks(gen, monkeypatch, layout):
     monkeypatch.setenv("LIK_CHUNK_ELEMENTS", "100")
     nq, nj, lq, ld, d = 3, 4, 5, 11, 24
-    Q = torch.randn(lq, nq, d, generator=gen).transpose(0, 1)
-    if layout == "cross":
-        D = torch.randn(nj, d, ld, generator=gen).transpose(1, 2)
-        dm = (torch.rand(ld, nj, generator=gen) > 0.3).t()
-    else:
-        D = torch.randn(nq, ld, nj, d, generator=gen).permute(0, 2, 1, 3)
-        dm = (torch.rand(nq, ld, nj, generator=gen) > 0.3).permute(0, 2, 1)
-    qm = (torch.rand(lq, nq, generator=gen) > 0.2).t()
-    assert not (Q.is_contiguous() or D.is_contiguous() or qm.is_contiguous() or dm.is_contiguous())
+    Q, D, qm, dm = noncontiguous_inputs(gen, layout, nq, nj, lq, ld, d)
     for normalize in (False, True):
         check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=normalize, mask_mode="zero")
 

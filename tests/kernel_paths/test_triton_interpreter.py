@@ -20,7 +20,7 @@ from lik_plugins._config import triton_interpret
 from lik_plugins.kernels import dispatch, reference
 from maxsim_testlib import (
     LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
-    tied_inputs,
+    noncontiguous_inputs, tied_inputs,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -231,15 +231,7 @@ def test_noncontiguous_inputs_and_masks(gen, layout):
     """Transposed views everywhere: Q [Lq, Nq, d].transpose, D with a strided embedding
     dim, masks transposed.  Normalisation on (its norms follow the input strides)."""
     nq, nj, lq, ld, d = 2, 3, 5, 11, 24
-    Q = torch.randn(lq, nq, d, generator=gen).transpose(0, 1)
-    if layout == "cross":
-        D = torch.randn(nj, d, ld, generator=gen).transpose(1, 2)
-        dm = (torch.rand(ld, nj, generator=gen) > 0.3).t()
-    else:
-        D = torch.randn(nq, ld, nj, d, generator=gen).permute(0, 2, 1, 3)
-        dm = (torch.rand(nq, ld, nj, generator=gen) > 0.3).permute(0, 2, 1)
-    qm = (torch.rand(lq, nq, generator=gen) > 0.2).t()
-    assert not (Q.is_contiguous() or D.is_contiguous() or qm.is_contiguous() or dm.is_contiguous())
+    Q, D, qm, dm = noncontiguous_inputs(gen, layout, nq, nj, lq, ld, d)
     for backward in ("lowmem", "unified"):
         check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=True, mask_mode="zero", backward=backward)
 
