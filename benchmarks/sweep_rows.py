@@ -1,0 +1,56 @@
+"""Forward row blocking at long queries: how many query rows a program owns.
+
+``launch.MAX_ROWS_PER_Q`` (rows of one query per program) and ``launch.TARGET_BLOCK_M``
+(rows per program, filled with several queries) decide how often each document tile is
+re-read.  This times the no-grad forward for a few (max rows, target rows) pairs on
+query lengths 32-1024, each with its own autotuning.
+
+Usage: python benchmarks/sweep_rows.py OUT_JSON
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, ".")
+from lik_plugins.kernels.triton import launch, tuning  # noqa: E402
+
+SHAPES = [("search 64x4096 Lq32", 64, 4096, 32, 256), ("search 64x4096 Lq128", 64, 4096, 128, 256),
+          ("in-batch 256 Lq64", 256, 256, 64, 256), ("long-query 16x1000 Lq512", 16, 1000, 512, 1030),
+          ("long-query 1x2000 Lq1024", 1, 2000, 1024, 1030)]
+VARIANTS = [(128, 128), (128, 256), (256, 256)]
+
+
+def main(out):
+    rows = []
+    for name, nq, nd, lq, ld in SHAPES:
+        Q = torch.nn.functional.normalize(torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
+        D = torch.nn.functional.normalize(torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
+        ref = None
+        for max_rows, target in VARIANTS:
+            launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M = max_rows, target
+            tuning._chosen.clear()
+            fwd = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False,  # noqa: E731
+                                         save_argmax=False)[0]
+            out_scores = fwd()
+            ref = out_scores if ref is None else ref
+            err = ((out_scores - ref).abs().max() / ref.abs().max()).item()
+            ms = do_bench(fwd, rep=200)
+            flops = 2 * nq * nd * lq * ld * 128
+            blocking = launch.row_blocking(lq, nq, True)
+            rows.append({"shape": name, "max_rows": max_rows, "target_block_m": target, "blocking": blocking,
+                         "ms": ms, "tflops": flops / ms / 1e9, "err_vs_first": err})
+            print(f"{name:28s} max_rows {max_rows:3d} target {target:3d} blocking {blocking}: {ms:8.3f} ms "
+                  f"{flops / ms / 1e9:6.0f} TFLOP/s (diff {err:.1e})", flush=True)
+        launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M = VARIANTS[0]
+        del Q, D
+        torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
