@@ -21,7 +21,7 @@ from lik_plugins.kernels.triton import launch, tuning  # noqa: E402
 SHAPES = [("search 64x4096 Lq32", 64, 4096, 32, 256), ("search 64x4096 Lq128", 64, 4096, 128, 256),
           ("in-batch 256 Lq64", 256, 256, 64, 256), ("long-query 16x1000 Lq512", 16, 1000, 512, 1030),
           ("long-query 1x2000 Lq1024", 1, 2000, 1024, 1030)]
-VARIANTS = [(128, 128), (128, 256), (256, 256)]
+VARIANTS = [(128, 128), (256, 256)]  # (rows cap, rows per program): the old and the new inference blocking
 
 
 def main(out):
@@ -31,7 +31,7 @@ def main(out):
         D = torch.nn.functional.normalize(torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
         ref = None
         for max_rows, target in VARIANTS:
-            launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M = max_rows, target
+            launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M, launch.INFERENCE_BLOCK_M = max_rows, target, target
             tuning._chosen.clear()
             fwd = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False,  # noqa: E731
                                          save_argmax=False)[0]
@@ -40,12 +40,12 @@ def main(out):
             err = ((out_scores - ref).abs().max() / ref.abs().max()).item()
             ms = do_bench(fwd, rep=200)
             flops = 2 * nq * nd * lq * ld * 128
-            blocking = launch.row_blocking(lq, nq, True)
+            blocking = launch.row_blocking(lq, nq, True, target)
             rows.append({"shape": name, "max_rows": max_rows, "target_block_m": target, "blocking": blocking,
                          "ms": ms, "tflops": flops / ms / 1e9, "err_vs_first": err})
             print(f"{name:28s} max_rows {max_rows:3d} target {target:3d} blocking {blocking}: {ms:8.3f} ms "
                   f"{flops / ms / 1e9:6.0f} TFLOP/s (diff {err:.1e})", flush=True)
-        launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M = VARIANTS[0]
+        launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M, launch.INFERENCE_BLOCK_M = 128, 128, 256
         del Q, D
         torch.cuda.empty_cache()
     with open(out, "w") as f:

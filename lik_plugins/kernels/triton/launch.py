@@ -18,6 +18,13 @@ from .tuning import doc_kernel_and_meta, forward_kernel_and_meta, interpreting, 
 MAX_ROWS_PER_Q = 128
 # Rows per program the forward aims for: 128 rows fill a Hopper warpgroup MMA twice over.
 TARGET_BLOCK_M = 128
+# Without a gradient (no argmax epilogue) a program owns up to 256 rows -- several queries,
+# or 256 tokens of one long query -- so each document tile is read half as often.  Measured
+# on an H100 (benchmarks/results/h100/sweep_rows.log, NOTES v10): 5-15 % faster at Lq 32-1024.
+# Only where measured: 16-bit inputs with d <= 128.  The training forward keeps 128 (its
+# argmax epilogue holds more registers per row; not re-measured), and fp32 or wider
+# embeddings keep 128 so the query block and document tiles still fit in shared memory.
+INFERENCE_BLOCK_M = 256
 # The gather backward splits each query's documents until about this many programs run
 # (two waves of an H100's 132 SMs), but only when fewer than GATHER_SPLIT_BELOW programs
 # would run otherwise (rerank, search): a split costs three more host-side ops (fp32
@@ -80,12 +87,13 @@ def _norm_strides(rd, cross, normalize):
     return (0, rd.stride(0)) if cross else (rd.stride(0), rd.stride(1))
 
 
-def row_blocking(lq: int, nq: int, cross: bool) -> tuple[int, int, int]:
+def row_blocking(lq: int, nq: int, cross: bool, block_m: int = TARGET_BLOCK_M) -> tuple[int, int, int]:
     """(ROWS_PER_Q, QPB, n_chunks): query tokens per query slot, query slots per program,
-    row chunks per query.  Powers of two; BLOCK_M = ROWS_PER_Q * QPB >= 16 (MMA minimum)."""
-    rows = min(next_pow2(max(lq, 1)), MAX_ROWS_PER_Q)
+    row chunks per query, for programs of about ``block_m`` rows.  Powers of two;
+    BLOCK_M = ROWS_PER_Q * QPB >= 16 (MMA minimum)."""
+    rows = min(next_pow2(max(lq, 1)), max(MAX_ROWS_PER_Q, block_m))
     if cross:
-        qpb = max(1, min(TARGET_BLOCK_M // rows, next_pow2(max(nq, 1))))
+        qpb = max(1, min(block_m // rows, next_pow2(max(nq, 1))))
     else:
         qpb = 1  # each query has its own candidates: nothing to share
     rows = max(rows, 16 // qpb)
@@ -96,7 +104,9 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     device = Q.device
-    rows, qpb, n_chunks = row_blocking(lq, nq, cross)
+    d_pad = max(16, next_pow2(dim))
+    wide = not save_argmax and Q.element_size() == 2 and d_pad <= 128
+    rows, qpb, n_chunks = row_blocking(lq, nq, cross, INFERENCE_BLOCK_M if wide else TARGET_BLOCK_M)
     n_qblocks = _cdiv(nq, qpb)
     # one row chunk (Lq <= 128, the common case) writes the final scores directly
     scores = torch.empty((nq, nj) if n_chunks == 1 else (n_chunks, nq, nj), dtype=torch.float32, device=device)
@@ -116,7 +126,6 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
     s_qmi, s_qms = qm.stride() if q_mask is not None else (0, 0)
 
-    d_pad = max(16, next_pow2(dim))
     kernel, meta, after_launch = forward_kernel_and_meta(
         rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=Q.dtype, n_programs=nj * n_qblocks * n_chunks,
         save_arg=save_argmax,

@@ -97,7 +97,8 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
         block_n = 64 if d_pad <= 256 else 32
         meta = {"BLOCK_N": block_n, "BLOCK_K": block_k}
         if not interpreting():
-            meta.update(num_warps=4, num_stages=2)
+            # a 256-row block on 4 warps would hold 128 fp32 accumulators per thread
+            meta.update(num_warps=8 if rows_per_q * qpb >= 256 else 4, num_stages=2)
         return maxsim_fwd_kernel, meta, None
     key = (rows_per_q, qpb, d_pad, bool(save_arg), dtype)
     config = _chosen.get(key)
