@@ -5,7 +5,6 @@ Prints the cProfile of 10 patched and 10 vanilla steps (``LIK_DISABLE`` toggled)
 cumulative time, so a per-step host cost of the patch shows up by name.
 """
 import cProfile
-import os
 import pstats
 import sys
 import tempfile
@@ -14,7 +13,7 @@ import time
 import torch
 
 sys.path.insert(0, "benchmarks")
-from pylate_e2e import build_model, features  # noqa: E402
+from pylate_e2e import build_model, features, train_step, use_variant  # noqa: E402
 
 import lik_plugins  # noqa: E402
 
@@ -31,18 +30,12 @@ feats = [features(model, batch, seed=i) for i in range(2)]
 
 
 def step(i):
-    value = loss(feats[i % 2], None)
-    value.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    train_step(loss, opt, feats[i % 2])
     torch.cuda.synchronize()
 
 
 for variant in ("patched", "vanilla", "patched", "vanilla"):
-    if variant == "vanilla":
-        os.environ["LIK_DISABLE"] = "1"
-    else:
-        os.environ.pop("LIK_DISABLE", None)
+    use_variant(variant)
     for i in range(3):
         step(i)
     prof = cProfile.Profile()
@@ -59,10 +52,7 @@ for variant in ("patched", "vanilla", "patched", "vanilla"):
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 for variant in ("patched", "vanilla"):
-    if variant == "vanilla":
-        os.environ["LIK_DISABLE"] = "1"
-    else:
-        os.environ.pop("LIK_DISABLE", None)
+    use_variant(variant)
     for i in range(2):
         step(i)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

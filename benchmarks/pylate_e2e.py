@@ -72,6 +72,23 @@ def features(model, batch: int, seed: int):
     return [make(LQ, False), make(LD, True), make(LD, True)]
 
 
+def train_step(loss, opt, feats):
+    """One optimiser step of a PyLate loss on prepared features; returns the loss."""
+    value = loss(feats, None)
+    value.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return value
+
+
+def use_variant(variant: str) -> None:
+    """``vanilla``: the kill switch on (PyLate's own code runs); anything else: patched."""
+    if variant == "vanilla":
+        os.environ["LIK_DISABLE"] = "1"
+    else:
+        os.environ.pop("LIK_DISABLE", None)
+
+
 def run_series(args) -> list[dict]:
     import torch
 
@@ -112,10 +129,7 @@ def run_series(args) -> list[dict]:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
                 t0 = time.perf_counter()
-                value = loss(feats, None)
-                value.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                value = train_step(loss, opt, feats)
                 torch.cuda.synchronize()
                 if i:
                     times.append(time.perf_counter() - t0)
@@ -163,16 +177,10 @@ def run_ab(args) -> list[dict]:
     rows = []
 
     def step(feats, variant):
-        if variant == "vanilla":
-            os.environ["LIK_DISABLE"] = "1"
-        else:
-            os.environ.pop("LIK_DISABLE", None)
+        use_variant(variant)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        value = loss(feats, None)
-        value.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(loss, opt, feats)
         torch.cuda.synchronize()
         return 1000 * (time.perf_counter() - t0)
 

@@ -242,12 +242,11 @@ def _resident_programs(compiled, device) -> int:
     return per_sm * props.multi_processor_count
 
 
-def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize):
+def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize, d_pad):
     """grad_Q and grad_D of the cross product through :func:`maxsim_bwd_ring_kernel`, or
     None when its programs would not all be resident (the grid barrier needs them to be)."""
     nq, lq, dim = Q.shape
     nj, ld = D.shape[0], D.shape[1]
-    d_pad = max(16, next_pow2(dim))
     block_s, block_j, n_programs, _, _ = _gather_blocking(nq, nj, lq, d_pad)
     need_q = grad_q is not None
     meta = dict(NEED_Q=need_q, NORMALIZE=bool(normalize), BLOCK_J=block_j, BLOCK_S=block_s,
@@ -309,7 +308,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
     # from the host (grad_Q then gets its own gather pass).
     direct = scatter and D.dtype == torch.float32 and not normalize
     if scatter and cross and not direct:
-        ring = _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, normalize=normalize)
+        ring = _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, normalize=normalize, d_pad=d_pad)
         if ring is not None:
             return ring
     slab = nj
