@@ -81,6 +81,26 @@ def ours(Q, D, layout):
     return lik.maxsim(Q, D)
 
 
+class OursFp8:
+    """lik_plugins' opt-in fp8 path, inference only: the documents are an index quantised
+    once (outside the timed loop, as a corpus is), each query is quantised in the call."""
+
+    def __init__(self):
+        self.index = {}
+
+    def reset(self):
+        self.index.clear()
+
+    def __call__(self, Q, D, layout):
+        if Q.requires_grad or D.requires_grad:
+            raise NotImplementedError("fp8 is inference-only")
+        key = (D.data_ptr(), tuple(D.shape))
+        if key not in self.index:
+            self.index[key] = lik.quantize_fp8(D if layout != "pairs" else D.unsqueeze(1))
+        out = lik.maxsim_fp8(Q, self.index[key])
+        return out.squeeze(1) if layout == "pairs" else out
+
+
 def _peer_lik():
     import late_interaction_kernels as m
 
@@ -112,7 +132,7 @@ def _peer_flash():
 
 
 def implementations():
-    impls = {"eager": eager, "lik_plugins": ours}
+    impls = {"eager": eager, "lik_plugins": ours, "lik_plugins fp8": OursFp8()}
     for name, make in (("late-interaction-kernels", _peer_lik), ("flash-maxsim", _peer_flash)):
         try:
             impls[name] = make()
@@ -156,9 +176,19 @@ def measure_ceilings():
     y = torch.empty_like(x)
     ms_copy = _time(lambda i: y.copy_(x), 1, reps=20)
     tbps = 2 * x.numel() * 2 / (ms_copy * 1e-3) / 1e12
+    fp8_tflops = None
+    try:  # the fp8 tensor-core rate, for the fp8 column's roofline
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda")
+        ms8 = _time(lambda i: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 1, reps=20)
+        fp8_tflops = 2 * 8192**3 / (ms8 * 1e-3) / 1e12
+        del a8, b8
+    except Exception as exc:  # noqa: BLE001 - older torch / GPU without fp8
+        print(f"[bench] fp8 matmul rate unavailable: {exc!r}")
     del a, b, x, y
     torch.cuda.empty_cache()
-    return {"bf16_matmul_tflops": tflops, "copy_tb_per_s": tbps}
+    return {"bf16_matmul_tflops": tflops, "fp8_matmul_tflops": fp8_tflops, "copy_tb_per_s": tbps}
 
 
 def _time(fn, n_inputs, reps=50, warmup=5):
@@ -217,6 +247,9 @@ def run(out_dir: str, quick: bool, runs: int, only: str | None = None):
     if only:
         shapes = [s for s in ALL_SHAPES if any(part in s.name for part in only.split(","))]
     for shape in shapes:
+        for impl in impls.values():
+            if hasattr(impl, "reset"):
+                impl.reset()
         in_bytes = flops_bytes(shape)[1]
         # rotate enough input copies that they do not all fit in the 50 MB L2
         n_sets = max(1, min(8, math.ceil(120e6 / max(in_bytes, 1))))
@@ -242,10 +275,17 @@ def run(out_dir: str, quick: bool, runs: int, only: str | None = None):
         # are bound by it) falls on all of them rather than on one
         for run_idx in range(runs):
             for name, impl in impls.items():
+                if name.endswith("fp8") and shape.kind == "train":
+                    continue
                 row = dict(shape=asdict(shape), impl=name, run=run_idx, floor_ms=floor_ms)
                 try:
                     ms, peak, err = bench_one(impl, shape, input_sets, ref32, reps)
-                    row.update(ms=ms, peak_mb=peak / 2**20, rel_err=err, roofline=floor_ms / ms)
+                    floor = floor_ms
+                    if name.endswith("fp8") and ceilings.get("fp8_matmul_tflops"):
+                        # half the bytes and the fp8 matmul rate
+                        floor = max(flops / (ceilings["fp8_matmul_tflops"] * 1e12),
+                                    nbytes / 2 / (ceilings["copy_tb_per_s"] * 1e12)) * 1e3
+                    row.update(ms=ms, peak_mb=peak / 2**20, rel_err=err, roofline=floor / ms)
                 except torch.cuda.OutOfMemoryError:
                     row.update(error="OOM")
                 except Exception as exc:  # noqa: BLE001 - a peer's limitation is a result too
@@ -336,7 +376,36 @@ def markdown(rows, meta):
         roof = best.get("roofline", float("nan"))
         err = best.get("rel_err", float("nan"))
         lines.append(f"| {s} | " + " | ".join(cells) + f" | {spread:.3f} | {ratio:.2f}x | {roof:.0%} | {err:.1e} |")
+    lines += _fp8_table(rows, shapes)
     return "\n".join(lines) + "\n"
+
+
+def _fp8_table(rows, shapes):
+    """The opt-in fp8 path beside our bf16 and the best peer's bf16 (the peers have no fp8)."""
+    def best(s, n):
+        ok = [r for r in rows if r["shape"]["name"] == s and r["impl"] == n and "ms" in r]
+        return min(ok, key=lambda r: r["ms"]) if ok else None
+
+    out = []
+    for s in shapes:
+        fp8 = best(s, "lik_plugins fp8")
+        if fp8 is None:
+            continue
+        ours = best(s, "lik_plugins")
+        peers = [r for r in (best(s, "late-interaction-kernels"), best(s, "flash-maxsim")) if r]
+        peer_ms = min(r["ms"] for r in peers) if peers else float("nan")
+        ours_ms = ours["ms"] if ours else float("nan")
+        out.append(f"| {s} | {ours_ms:.3f} | {fp8['ms']:.3f} | {peer_ms:.3f} | {ours_ms / fp8['ms']:.2f}x | "
+                   f"{peer_ms / fp8['ms']:.2f}x | {fp8['roofline']:.0%} | {fp8['rel_err']:.1e} |")
+    if not out:
+        return []
+    return ["", "Opt-in fp8 (e4m3, per-token scales; inference only): documents quantised once as an index, "
+            "queries quantised inside the timed call. Roofline here = fp8 matmul rate and half the bytes. "
+            "err = fp8's deviation from fp32 scores (quantisation, not the kernel: the kernel matches the "
+            "fp8 specification to 1e-5).", "",
+            "| shape | ours bf16 ms | ours fp8 ms | best peer (bf16) ms | fp8 vs our bf16 | fp8 vs best peer | "
+            "fp8 roofline | fp8 err |",
+            "|---|---|---|---|---|---|---|---|", *out]
 
 
 if __name__ == "__main__":

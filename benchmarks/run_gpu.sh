@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|bench|kernels|parity|e2e|hosts|all] [bench_kernels.py options]
+#   bash benchmarks/run_gpu.sh [tests|bench|kernels|fidelity|parity|e2e|hosts|all] [bench_kernels.py options]
 # kernels = tests (GPU suite + memcheck) + bench (side-by-side); hosts = parity + e2e.
+# fidelity = fp8 ranking fidelity on embeddings saved by
+#   python recipes/fp8_fidelity.py --save-embeddings benchmarks/data/fidelity_embeddings.pt
+# (encoded on the CPU machine; carry benchmarks/data with the call).
 # Peers and host libraries come from wheels in .whl/ (the machine has no network).
 # Results (JSON + Markdown + logs) go to $OUT (default: benchmarks/results/latest).
 set -uo pipefail
@@ -26,6 +29,15 @@ if [[ $stage == tests || $stage == kernels || $stage == all ]]; then
 fi
 if [[ $stage == bench || $stage == kernels || $stage == all ]]; then
   python3 benchmarks/bench_kernels.py "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -30
+fi
+
+if [[ $stage == fidelity || $stage == all ]]; then
+  if [[ -f benchmarks/data/fidelity_embeddings.pt ]]; then
+    timeout 120 python3 recipes/fp8_fidelity.py --embeddings benchmarks/data/fidelity_embeddings.pt \
+      --device cuda --out "$OUT" 2>&1 | tail -8
+  else
+    echo "fidelity: benchmarks/data/fidelity_embeddings.pt not carried; skipped"
+  fi
 fi
 
 # hosts: PyLate 1.6.0 / colpali-engine 0.3.18 with the transformers / sentence-transformers they pin

@@ -5,6 +5,7 @@ eagerly.  Public surface::
 
     maxsim, maxsim_pairs, retrieve, MaxSimScorer      # the ops
     smooth_maxsim                                     # fused tau * logsumexp(s / tau) over doc tokens
+    quantize_fp8, maxsim_fp8, Fp8Tokens               # opt-in fp8 (e4m3) inference
     routing_counts, reset_routing_counts              # which path served each call
     patch_pylate, unpatch_pylate                      # PyLate integration
     patch_colpali_engine, unpatch_colpali_engine      # colpali-engine integration
@@ -23,6 +24,9 @@ _LAZY = {
     "retrieve": ("lik_plugins.ops", "retrieve"),
     "MaxSimScorer": ("lik_plugins.modules", "MaxSimScorer"),
     "smooth_maxsim": ("lik_plugins.kernels.smoothmax", "smooth_maxsim"),
+    "quantize_fp8": ("lik_plugins.fp8", "quantize_fp8"),
+    "maxsim_fp8": ("lik_plugins.fp8", "maxsim_fp8"),
+    "Fp8Tokens": ("lik_plugins.fp8", "Fp8Tokens"),
     "patch_pylate": ("lik_plugins.pylate", "patch_pylate"),
     "unpatch_pylate": ("lik_plugins.pylate", "unpatch_pylate"),
     "patch_colpali_engine": ("lik_plugins.colpali", "patch_colpali_engine"),

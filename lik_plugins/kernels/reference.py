@@ -16,6 +16,12 @@ Semantics (shared by every path):
   a masked 0.
 * ``normalize=True``: each token is L2-normalised first, ``x / max(||x||, 1e-12)``.
 * Ties between valid doc tokens: the gradient goes to the lowest index.
+
+fp8 (inference only): a token ``x`` is stored as ``values = e4m3(x / scale)`` with one
+fp32 ``scale = max_h |x_h| / 448`` per token (1 for an all-zero token), so its largest
+component lands on e4m3's largest finite value.  A score is MaxSim over the dequantised
+tokens ``values * scale`` -- :func:`maxsim_fp8`.  The kernels multiply the fp8 product by
+the two scales instead, which is the same number up to fp32 rounding.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ import torch.nn.functional as F
 
 MASK_MODES = ("exclude", "zero")
 NORM_EPS = 1e-12
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
 
 
 def _valid(mask: torch.Tensor | None, shape: tuple[int, ...], device) -> torch.Tensor:
@@ -113,3 +121,29 @@ def retrieve(
     """Reference of :func:`lik_plugins.retrieve`: top-``k`` documents per query."""
     scores = maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
     return scores.topk(min(int(top_k), scores.shape[1]), dim=1)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)``: e4m3 values ``[..., L, d]`` and fp32 per-token scales ``[..., L]``."""
+    amax = x.abs().amax(dim=-1).float()
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    values = (x.float() / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return values, scales
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tokens an fp8 pair stands for: ``values * scales`` in ``dtype``."""
+    return values.to(dtype) * scales.to(dtype).unsqueeze(-1)
+
+
+def maxsim_fp8(
+    Q: tuple[torch.Tensor, torch.Tensor],
+    D: tuple[torch.Tensor, torch.Tensor],
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    mask_mode: str = "exclude",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Reference of :func:`lik_plugins.maxsim_fp8`: MaxSim of the dequantised tokens."""
+    return maxsim(dequantize_fp8(*Q, dtype), dequantize_fp8(*D, dtype), q_mask, d_mask, mask_mode=mask_mode)

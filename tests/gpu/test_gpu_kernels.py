@@ -171,3 +171,43 @@ def test_non_finite_inputs_do_not_crash():
     out = lik.maxsim(Q, D, qm, dm)
     torch.cuda.synchronize()
     assert torch.isnan(out[0]).all()
+
+
+# ------------------------------------------------------------------ fp8 inference
+@pytest.mark.parametrize("shape", [
+    (64, 512, 32, 256, 128, False),    # search: 256-row programs, autotuned
+    (4, 100, 32, 1030, 128, False),    # ColPali documents
+    (2, 64, 300, 200, 128, False),     # long queries: row chunks
+    (16, 8, 32, 180, 96, True),        # per-query candidates, d not a power of two
+    (3, 5, 32, 70, 200, False),        # d > 128: the K loop
+], ids=["search", "colpali", "long-query", "kd", "wide"])
+@pytest.mark.parametrize("mode", ["exclude", "zero"])
+def test_fp8_kernel_equals_the_specification(shape, mode):
+    nq, nj, lq, ld, d, kd = shape
+    Q, D, qm, dm = _inputs(nq, nj, lq, ld, d, torch.bfloat16, kd)
+    q, dd = lik.quantize_fp8(Q), lik.quantize_fp8(D)
+    lik.reset_routing_counts()
+    out = lik.maxsim_fp8(q, dd, qm, dm, mask_mode=mode)
+    assert lik.routing_counts() == {"maxsim_fp8": {"triton": 1}}
+    spec = reference.maxsim_fp8(q, dd, qm, dm, mask_mode=mode, dtype=torch.float64)
+    # the fp8 MMA accumulates exact products of e4m3 values in fp32
+    assert _rel(out, spec) < 1e-5
+
+
+def test_fp8_quantize_kernel_is_bitwise_the_specification():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(64, 300, 128, device="cuda", generator=g) * torch.logspace(-4, 4, 300, device="cuda")[None, :, None]
+    x[1, 5] = 0
+    for src in (x, x.bfloat16(), x[:, ::3]):
+        q = lik.quantize_fp8(src)
+        values, scales = reference.quantize_fp8(src)
+        assert torch.equal(q.values.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(q.scales, scales)
+
+
+def test_fp8_non_finite_query_poisons_its_scores():
+    Q = torch.randn(3, 8, 128, device="cuda")
+    Q[1, 2, 3] = float("nan")
+    Q[2, 4, 0] = float("inf")
+    scores = lik.maxsim_fp8(Q, torch.randn(300, 40, 128, device="cuda"))
+    assert scores[0].isfinite().all() and scores[1:].isnan().all()

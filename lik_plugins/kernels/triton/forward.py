@@ -37,6 +37,9 @@ def maxsim_fwd_kernel(
     s_rdi, s_rdj,
     n_qblocks, n_chunks,
     HAS_QM: tl.constexpr, HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr,
+    # NORMALIZE: scale similarities by per-token factors RQ [n_q, lq] and RD (per document
+    # token): inverse norms, or the fp8 path's dequantisation scales.  Both are > 0, so
+    # the query factor commutes with the max; the document factor cannot and goes first.
     NORMALIZE: tl.constexpr, SAVE_ARG: tl.constexpr,
     ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,

@@ -100,12 +100,16 @@ def row_blocking(lq: int, nq: int, cross: bool, block_m: int = TARGET_BLOCK_M) -
     return rows, qpb, _cdiv(max(lq, 1), rows)
 
 
-def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
+def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, scales=None):
+    """Scores (and the argmax when ``save_argmax``).  ``scales = (q_scales [Nq, Lq],
+    d_scales [.., Ld])`` (fp32, contiguous) multiply every similarity by its two tokens'
+    scales -- the fp8 path's dequantisation; the kernel applies them exactly where it
+    applies inverse norms, so ``normalize`` must be off."""
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     device = Q.device
     d_pad = max(16, next_pow2(dim))
-    wide = not save_argmax and Q.element_size() == 2 and d_pad <= 128
+    wide = not save_argmax and Q.element_size() <= 2 and d_pad <= 128
     rows, qpb, n_chunks = row_blocking(lq, nq, cross, INFERENCE_BLOCK_M if wide else TARGET_BLOCK_M)
     n_qblocks = _cdiv(nq, qpb)
     # one row chunk (Lq <= 128, the common case) writes the final scores directly
@@ -120,10 +124,15 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     qm = _mask_bytes(q_mask, device)
     dm = _mask_bytes(d_mask, device)
     placeholder = _placeholder(device, torch.float32)
-    rq = inverse_norms(Q) if normalize else placeholder
-    rd = inverse_norms(D) if normalize else placeholder
+    if scales is not None:
+        assert not normalize and not save_argmax, "scaled (fp8) scores are inference-only and never normalised"
+        rq, rd = scales
+    else:
+        rq = inverse_norms(Q) if normalize else placeholder
+        rd = inverse_norms(D) if normalize else placeholder
+    scaled = normalize or scales is not None
     s_dmi, s_dmj, s_dmt = (0, 0, 0) if d_mask is None else ((0, *dm.stride()) if cross else dm.stride())
-    s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
+    s_rdi, s_rdj = _norm_strides(rd, cross, scaled)
     s_qmi, s_qms = qm.stride() if q_mask is not None else (0, 0)
 
     kernel, meta, after_launch = forward_kernel_and_meta(
@@ -141,7 +150,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
         s_rdi, s_rdj,
         n_qblocks, n_chunks,
         HAS_QM=q_mask is not None, HAS_DM=d_mask is not None, ZERO_MODE=bool(zero_mode),
-        NORMALIZE=bool(normalize), SAVE_ARG=bool(save_argmax),
+        NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype),
         **meta,

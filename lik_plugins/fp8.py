@@ -1,0 +1,209 @@
+"""fp8 (e4m3) inference: quantise token embeddings once, score them at twice the bf16 rate.
+
+Opt-in and inference-only.  Each token keeps one fp32 scale (its largest component maps
+to e4m3's largest finite value, 448), so a token's direction survives quantisation to
+about 3 significant bits per component; what that does to rankings is measured in
+``recipes/fp8_fidelity.py`` and ``benchmarks/NOTES.md``, not assumed.
+
+    >>> index = quantize_fp8(D)                 # once, when the corpus is encoded
+    >>> scores = maxsim_fp8(Q, index)           # Q quantised on the fly
+
+Where it runs: the Triton kernel with fp8 tensor-core products on GPUs with fp8 matrix
+units (compute capability 8.9+: Ada, Hopper) and under ``TRITON_INTERPRET=1``; elsewhere
+(older GPUs, CPU, ``LIK_BACKEND=torch-chunked``) the same scores are computed from the
+dequantised fp32 tokens, so results never depend on the hardware beyond fp32 rounding.
+``LIK_DISABLE=1`` routes to the reference.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from . import _routing
+from ._config import disabled, forced_backend, triton_interpret
+from .kernels import reference
+from .kernels.dispatch import triton_available
+from .kernels.reference import FP8_DTYPE, MASK_MODES
+
+__all__ = ["Fp8Tokens", "quantize_fp8", "maxsim_fp8"]
+
+_SOURCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class Fp8Tokens(NamedTuple):
+    """Quantised token embeddings: ``values`` e4m3 ``[..., L, d]``, ``scales`` fp32 ``[..., L]``.
+
+    ``values[..., t, :] * scales[..., t]`` is token ``t``.  Slice both alike
+    (:meth:`select`) to take a part of an index.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def select(self, index) -> "Fp8Tokens":
+        """The same leading-dimension ``index`` (int, slice, tensor) of values and scales."""
+        return Fp8Tokens(self.values[index], self.scales[index])
+
+    def to(self, device) -> "Fp8Tokens":
+        return Fp8Tokens(self.values.to(device), self.scales.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return reference.dequantize_fp8(self.values, self.scales, dtype)
+
+
+def _check_source(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _SOURCE_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64 tokens, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"{name} must be tokens [..., L, d], got shape {tuple(x.shape)}")
+
+
+def _quantize(x: torch.Tensor) -> Fp8Tokens:
+    """No checks: a NaN/inf token quantises to NaN values, so its scores are NaN."""
+    if served_by_fp8(x) == "triton":
+        from .kernels.triton import quantize
+
+        return Fp8Tokens(*quantize.quantize_fp8(x))
+    values, scales = reference.quantize_fp8(x)
+    return Fp8Tokens(values.contiguous(), scales.contiguous())
+
+
+def quantize_fp8(x: torch.Tensor, *, normalize: bool = False) -> Fp8Tokens:
+    """Per-token e4m3 quantisation of ``x [..., L, d]`` (float16/bfloat16/float32/float64).
+
+    ``normalize=True`` L2-normalises each token first (as ``maxsim(..., normalize=True)``
+    would), so cosine-similarity models quantise their unit vectors.  Raises on NaN/inf
+    (one reduction and a host sync): an index with a poisoned token would rank wrong for
+    as long as it is served.  One fused kernel where the fp8 kernels run, torch elsewhere;
+    the same bits either way.
+    """
+    _check_source("quantize_fp8's input", x)
+    with torch.no_grad():
+        if normalize:
+            x = torch.nn.functional.normalize(x.float(), p=2, dim=-1, eps=reference.NORM_EPS)
+        if x.numel() and not bool(torch.isfinite(x.abs().amax(dim=-1)).all()):
+            raise ValueError("quantize_fp8: the tokens contain NaN or inf")
+        return _quantize(x)
+
+
+def _as_tokens(name: str, x, rank: tuple[int, ...]) -> Fp8Tokens:
+    if isinstance(x, torch.Tensor):
+        _check_source(name, x)
+        if x.dim() not in rank:
+            raise ValueError(f"{name} must be {' or '.join(f'{r}-D' for r in rank)}, got shape {tuple(x.shape)}")
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError(
+                f"maxsim_fp8 is inference-only and {name} requires grad; train with lik_plugins.maxsim, "
+                "or call maxsim_fp8 under torch.no_grad()"
+            )
+        with torch.no_grad():
+            # unchecked: a non-finite query gives NaN scores, as in lik_plugins.maxsim
+            return _quantize(x)
+    if not isinstance(x, Fp8Tokens):
+        raise TypeError(f"{name} must be a float tensor or Fp8Tokens (from quantize_fp8), got {type(x).__name__}")
+    values, scales = x
+    if values.dtype != FP8_DTYPE:
+        raise TypeError(f"{name}.values must be {FP8_DTYPE}, got {values.dtype}")
+    if values.dim() not in rank:
+        raise ValueError(f"{name} must be {' or '.join(f'{r}-D' for r in rank)}, got shape {tuple(values.shape)}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != tuple(values.shape[:-1]):
+        raise ValueError(
+            f"{name}.scales must be float32 of shape {tuple(values.shape[:-1])}, "
+            f"got {scales.dtype} {tuple(scales.shape)}"
+        )
+    if scales.device != values.device:
+        raise ValueError(f"{name}.scales is on {scales.device} but {name}.values on {values.device}")
+    return Fp8Tokens(values, scales.contiguous())
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_matrix_units(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def served_by_fp8(values: torch.Tensor) -> str:
+    """Path that scores fp8 tokens on ``values``' device now (see the module docstring)."""
+    if disabled():
+        return "reference"
+    forced = forced_backend()
+    if forced in ("torch-chunked", "reference"):
+        return forced
+    kernel_ok = triton_available() and (
+        (values.is_cuda and _fp8_matrix_units(values.device.index if values.device.index is not None
+                                              else torch.cuda.current_device()))
+        or (values.device.type == "cpu" and triton_interpret())
+    )
+    if forced == "triton" and not kernel_ok:
+        raise RuntimeError("LIK_BACKEND=triton, but fp8 products need a GPU of compute capability 8.9+ "
+                           "(or TRITON_INTERPRET=1 on CPU)")
+    return "triton" if kernel_ok else "torch-chunked"
+
+
+def maxsim_fp8(
+    Q,
+    D,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    mask_mode: str = "exclude",
+) -> torch.Tensor:
+    """MaxSim scores from fp8 tokens, like :func:`lik_plugins.maxsim` (no gradient).
+
+    Args:
+        Q: ``[Nq, Lq, d]`` float tensor (quantised here) or :class:`Fp8Tokens`.
+        D: ``[Nd, Ld, d]`` (cross product -> ``[Nq, Nd]``) or ``[Nq, K, Ld, d]`` (per-query
+            candidates -> ``[Nq, K]``), float tensor or :class:`Fp8Tokens` -- quantise an
+            index once with :func:`quantize_fp8` and reuse it.
+        q_mask, d_mask, mask_mode: as in :func:`lik_plugins.maxsim`.
+
+    Returns:
+        float32 scores of the dequantised tokens (``reference.maxsim_fp8``).
+    """
+    from .ops import _check_mask, _check_options
+
+    _check_options("auto", mask_mode)
+    q = _as_tokens("Q", Q, (3,))
+    d = _as_tokens("D", D, (3, 4))
+    if q.device != d.device:
+        raise ValueError(f"Q is on {q.device} but D is on {d.device}; move both to one device")
+    nq, lq, dim = q.values.shape
+    if d.values.shape[-1] != dim:
+        raise ValueError(f"embedding dims differ: Q has d={dim}, D has d={d.values.shape[-1]}")
+    cross = d.values.dim() == 3
+    if not cross and d.values.shape[0] != nq:
+        raise ValueError(f"per-query candidates D [Nq, K, Ld, d] must have Nq={nq} like Q, "
+                         f"got D shape {tuple(d.values.shape)}")
+    q_mask = _check_mask("q_mask", q_mask, (nq, lq), q.device)
+    d_mask = _check_mask("d_mask", d_mask, tuple(d.values.shape[:-1]), d.device)
+
+    path = served_by_fp8(q.values)
+    _routing.record("maxsim_fp8", path)
+    with torch.no_grad():
+        if path == "reference":
+            return reference.maxsim_fp8(q, d, q_mask, d_mask, mask_mode=mask_mode)
+        if path == "triton":
+            from .kernels.triton import launch
+
+            scores, _ = launch.forward(q.values, d.values, q_mask, d_mask, cross=cross, normalize=False,
+                                       zero_mode=mask_mode == "zero", save_argmax=False,
+                                       scales=(q.scales, d.scales))
+            return scores
+        # No fp8 matrix units here: the same numbers from the dequantised tokens, with the
+        # bounded-memory path (it materialises fp32 tokens, 4x the fp8 bytes).
+        from .kernels import chunked
+
+        scores, _ = chunked.forward(q.dequantize(), d.dequantize(), q_mask, d_mask, cross=cross, normalize=False,
+                                    zero_mode=mask_mode == "zero", save_argmax=False)
+        return scores

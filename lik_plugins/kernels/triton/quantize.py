@@ -1,0 +1,64 @@
+"""Per-token e4m3 quantisation in one pass (the fp8 path's query side, and index building).
+
+Same numbers as :func:`lik_plugins.kernels.reference.quantize_fp8`, bit for bit: the
+scale and the scaled values use round-to-nearest fp32 division (Triton's plain ``/`` is
+an approximate division on NVIDIA GPUs), and values are clamped to +-448 before the
+round-to-nearest-even cast.  The torch formulation takes ~8 launches; a query batch
+quantised inside a search call would pay them on every call.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import FP8_DTYPE, FP8_MAX
+from .tuning import interpreting, next_pow2
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def quantize_rows_kernel(X, V, S, n_rows, dim, s_xr, s_xh, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+                         FP8_LIMIT: tl.constexpr, CAST_ON_HOST: tl.constexpr):
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_h = tl.arange(0, D_PAD)
+    m_r = o_r < n_rows
+    m = m_r[:, None] & (o_h[None, :] < dim)
+    x = tl.load(X + o_r.to(tl.int64)[:, None] * s_xr + o_h[None, :] * s_xh, mask=m, other=0.0).to(tl.float32)
+    # NaN-propagating amax: a NaN token keeps scale 1 and NaN values, so its scores are NaN
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_LIMIT), 1.0)
+    y = tl.math.div_rn(x, scale[:, None])
+    # clamp as torch.clamp does: NaN stays NaN (a plain min/max would clamp it to +-448)
+    y = tl.minimum(tl.maximum(y, -FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL), FP8_LIMIT,
+                   propagate_nan=tl.PropagateNan.ALL)
+    if not CAST_ON_HOST:
+        y = y.to(V.dtype.element_ty)
+    tl.store(V + o_r.to(tl.int64)[:, None] * dim + o_h[None, :], y, mask=m)
+    tl.store(S + o_r, scale, mask=m_r)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)`` of ``x [..., L, d]`` (16/32-bit floats), contiguous."""
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)  # a view where it can be; the kernel takes the row stride
+    # Triton's interpreter converts fp32 -> e4m3 wrongly (124.7 became 64 in triton 3.7.1):
+    # there the kernel writes the scaled fp32 values and torch casts them.  The GPU suite
+    # checks the in-kernel cast bit for bit.
+    cast_on_host = interpreting()
+    values = torch.empty(x.shape, dtype=torch.float32 if cast_on_host else FP8_DTYPE, device=x.device)
+    scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    n_rows = rows.shape[0]
+    if n_rows == 0 or dim == 0:
+        return values.to(FP8_DTYPE), scales.fill_(1.0)
+    d_pad = max(16, next_pow2(dim))
+    block_r = max(1, min(64, 8192 // d_pad))
+    quantize_rows_kernel[(-(-n_rows // block_r),)](
+        rows, values, scales, n_rows, dim, rows.stride(0), rows.stride(1),
+        BLOCK_R=block_r, D_PAD=d_pad, FP8_LIMIT=FP8_MAX, CAST_ON_HOST=cast_on_host,
+    )
+    return (values.to(FP8_DTYPE) if cast_on_host else values), scales
