@@ -5,7 +5,10 @@
 re-read.  This times the no-grad forward for a few (max rows, target rows) pairs on
 query lengths 32-1024, each with its own autotuning.
 
-Usage: python benchmarks/sweep_rows.py OUT_JSON
+With ``--train`` it times the training forward (argmax saved) on the in-batch training
+shapes instead, at 128 and 256 rows per program (``TARGET_BLOCK_M``), arg-maxes compared.
+
+Usage: python benchmarks/sweep_rows.py OUT_JSON [--train]
 """
 from __future__ import annotations
 
@@ -21,12 +24,14 @@ from lik_plugins.kernels.triton import launch, tuning  # noqa: E402
 SHAPES = [("search 64x4096 Lq32", 64, 4096, 32, 256), ("search 64x4096 Lq128", 64, 4096, 128, 256),
           ("in-batch 256 Lq64", 256, 256, 64, 256), ("long-query 16x1000 Lq512", 16, 1000, 512, 1030),
           ("long-query 1x2000 Lq1024", 1, 2000, 1024, 1030)]
+TRAIN_SHAPES = [("colbert 256", 256, 256, 32, 256), ("colbert 1024", 1024, 1024, 32, 256),
+                ("colpali 64", 64, 64, 32, 1030), ("colpali 256", 256, 256, 32, 1030)]
 VARIANTS = [(128, 128), (256, 256)]  # (rows cap, rows per program): the old and the new inference blocking
 
 
-def main(out):
+def main(out, train=False):
     rows = []
-    for name, nq, nd, lq, ld in SHAPES:
+    for name, nq, nd, lq, ld in TRAIN_SHAPES if train else SHAPES:
         Q = torch.nn.functional.normalize(torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
         D = torch.nn.functional.normalize(torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
         ref = None
@@ -34,10 +39,12 @@ def main(out):
             launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M, launch.INFERENCE_BLOCK_M = max_rows, target, target
             tuning._chosen.clear()
             fwd = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False,  # noqa: E731
-                                         save_argmax=False)[0]
-            out_scores = fwd()
-            ref = out_scores if ref is None else ref
-            err = ((out_scores - ref).abs().max() / ref.abs().max()).item()
+                                         save_argmax=train)
+            out_scores, arg = fwd()
+            ref = (out_scores, arg) if ref is None else ref
+            err = ((out_scores - ref[0]).abs().max() / ref[0].abs().max()).item()
+            if train:
+                err = max(err, float((arg != ref[1]).float().mean()))  # share of changed winners
             ms = do_bench(fwd, rep=200)
             flops = 2 * nq * nd * lq * ld * 128
             blocking = launch.row_blocking(lq, nq, True, target)
@@ -53,4 +60,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], train="--train" in sys.argv[2:])
