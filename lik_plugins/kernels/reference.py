@@ -126,7 +126,9 @@ def retrieve(
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, scales)``: e4m3 values ``[..., L, d]`` and fp32 per-token scales ``[..., L]``."""
     amax = x.abs().amax(dim=-1).float()
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor, not the Python scalar: CUDA torch divides by a scalar as a product
+    # with its reciprocal (1/448 is inexact), which would make the spec device-dependent
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     values = (x.float() / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return values, scales
 

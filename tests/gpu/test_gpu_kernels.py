@@ -180,7 +180,8 @@ def test_non_finite_inputs_do_not_crash():
     (2, 64, 300, 200, 128, False),     # long queries: row chunks
     (16, 8, 32, 180, 96, True),        # per-query candidates, d not a power of two
     (3, 5, 32, 70, 200, False),        # d > 128: the K loop
-], ids=["search", "colpali", "long-query", "kd", "wide"])
+    (5, 7, 8, 20, 16, False),          # d = 16: padded to the fp8 MMA's K of 32
+], ids=["search", "colpali", "long-query", "kd", "wide", "tiny-d"])
 @pytest.mark.parametrize("mode", ["exclude", "zero"])
 def test_fp8_kernel_equals_the_specification(shape, mode):
     nq, nj, lq, ld, d, kd = shape
@@ -190,8 +191,10 @@ def test_fp8_kernel_equals_the_specification(shape, mode):
     out = lik.maxsim_fp8(q, dd, qm, dm, mask_mode=mode)
     assert lik.routing_counts() == {"maxsim_fp8": {"triton": 1}}
     spec = reference.maxsim_fp8(q, dd, qm, dm, mask_mode=mode, dtype=torch.float64)
-    # the fp8 MMA accumulates exact products of e4m3 values in fp32
-    assert _rel(out, spec) < 1e-5
+    # Hopper's fp8 MMA adds its products at reduced internal precision (measured 0.6-1.3e-4
+    # of the score; promoting into fp32 every 32 products still left 4e-5 and cost 10-30 %,
+    # benchmarks/NOTES.md v11), a hundredth of what e4m3 rounding itself changes (~1e-2)
+    assert _rel(out, spec) < 3e-4
 
 
 def test_fp8_quantize_kernel_is_bitwise_the_specification():

@@ -108,7 +108,8 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     device = Q.device
-    d_pad = max(16, next_pow2(dim))
+    # the MMA's K is at least 16 (16-bit) or 32 (fp8) elements
+    d_pad = max(32 if Q.element_size() == 1 else 16, next_pow2(dim))
     wide = not save_argmax and Q.element_size() <= 2 and d_pad <= 128
     rows, qpb, n_chunks = row_blocking(lq, nq, cross, INFERENCE_BLOCK_M if wide else TARGET_BLOCK_M)
     n_qblocks = _cdiv(nq, qpb)
