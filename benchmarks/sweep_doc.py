@@ -80,7 +80,9 @@ def sweep_cross(rows, configs=True):
         fwd_ms = do_bench(fwd)
         uni = lambda: launch.backward(g, Q, D, arg, cross=True, normalize=False, need_q=True, need_d=True,  # noqa: E731
                                       strategy="unified")
+        launch.RING_ENABLED = True  # off by default (launch.py): timed here for the record
         ring_ms = do_bench(uni)
+        launch.RING_ENABLED = False
         default_slabs = launch.RING_SLABS
         launch.RING_SLABS = 1  # one slab covering every document: the old one-pass buffer
         uni_ms = do_bench(uni)

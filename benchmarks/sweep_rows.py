@@ -8,7 +8,10 @@ query lengths 32-1024, each with its own autotuning.
 With ``--train`` it times the training forward (argmax saved) on the in-batch training
 shapes instead, at 128 and 256 rows per program (``TARGET_BLOCK_M``), arg-maxes compared.
 
-Usage: python benchmarks/sweep_rows.py OUT_JSON [--train]
+With ``--epilogue`` it times the inference forward, bf16 and fp8, with the per-tile
+row reduction against the elementwise running max (``launch.RUNNING_MAX``).
+
+Usage: python benchmarks/sweep_rows.py OUT_JSON [--train | --epilogue]
 """
 from __future__ import annotations
 
@@ -59,5 +62,40 @@ def main(out, train=False):
         json.dump(rows, f, indent=1)
 
 
+def epilogue(out):
+    import lik_plugins as lik
+
+    rows = []
+    for name, nq, nd, lq, ld in SHAPES:
+        Q = torch.nn.functional.normalize(torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
+        D = torch.nn.functional.normalize(torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
+        q8, d8 = lik.quantize_fp8(Q), lik.quantize_fp8(D)
+        inputs = {"bf16": (Q, D, None), "fp8": (q8.values, d8.values, (q8.scales, d8.scales))}
+        for dtype, (a, b, scales) in inputs.items():
+            ref = None
+            for running in (False, True):
+                launch.RUNNING_MAX = running
+                tuning._chosen.clear()  # each variant tunes its own config
+                fwd = lambda: launch.forward(a, b, None, None, cross=True, normalize=False, zero_mode=False,  # noqa: E731
+                                             save_argmax=False, scales=scales)[0]
+                got = fwd()
+                ref = got if ref is None else ref
+                diff = ((got - ref).abs().max() / ref.abs().max()).item()
+                ms = do_bench(fwd, rep=200)
+                flops = 2 * nq * nd * lq * ld * 128
+                rows.append({"shape": name, "dtype": dtype, "running_max": running, "ms": ms,
+                             "tflops": flops / ms / 1e9, "diff_vs_per_tile": diff})
+                print(f"{name:28s} {dtype} running_max {running!s:5s}: {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
+                      f"(diff {diff:.1e})", flush=True)
+        launch.RUNNING_MAX = True
+        del Q, D, q8, d8, inputs
+        torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 if __name__ == "__main__":
+    if "--epilogue" in sys.argv[2:]:
+        epilogue(sys.argv[1])
+        sys.exit()
     main(sys.argv[1], train="--train" in sys.argv[2:])

@@ -91,10 +91,32 @@ def test_pairs_and_large_batch():
 
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("nq,nj,ld,need_q", [(256, 200, 256, True), (48, 40, 1030, True), (96, 64, 256, False)])
-def test_ring_unified_many_slabs(monkeypatch, normalize, nq, nj, ld, need_q):
-    """Hundreds of programs meeting at one grid barrier per slab, both slots reused many times."""
+def test_unified_default_is_right_every_run(normalize, nq, nj, ld, need_q):
+    """The shipped unified backward (one-pass fp32 buffer), five runs on the inputs that
+    made the ring fail about every other run."""
+    Q, D, qm, dm = _inputs(nq, nj, 32, ld, 128, torch.bfloat16, kd=False)
+    Q.requires_grad_(need_q); D.requires_grad_()
+    out = lik.maxsim(Q, D, qm, dm, normalize=normalize, backward="unified")
+    grad = torch.randn_like(out)
+    Q64, D64 = Q.detach().double(), D.detach().double()
+    _, arg = chunked.forward(Q64, D64, qm, dm, cross=True, normalize=normalize, zero_mode=False, save_argmax=True)
+    want = chunked.backward(grad.double(), Q64, D64, arg, cross=True, normalize=normalize, need_q=True, need_d=True)
+    for _ in range(5):
+        got = torch.autograd.grad(out, (Q, D) if need_q else (D,), grad, retain_graph=True)
+        for g, w in zip(got, want if need_q else want[1:]):
+            assert _rel(g, w) < TOL[torch.bfloat16][1]
+
+
+@pytest.mark.xfail(reason="the ring returns a wrong grad_D in part of the runs (launch.RING_ENABLED is off)",
+                   strict=False)
+@pytest.mark.parametrize("nq,nj,ld", [(48, 40, 1030)])
+def test_ring_unified_many_slabs(monkeypatch, nq, nj, ld):
+    """Programs meeting at one grid barrier per slab, both slots reused many times: kept to
+    reproduce the ring's bug (it failed 5 of 6 runs on an H100) for whoever fixes it."""
+    normalize, need_q = False, True
     spy = LaunchSpy(launch.maxsim_bwd_ring_kernel)
     monkeypatch.setattr(launch, "maxsim_bwd_ring_kernel", spy)
+    monkeypatch.setattr(launch, "RING_ENABLED", True)
     monkeypatch.setattr(launch, "RING_SLABS", -(-nj // 3))          # three documents per slab
     Q, D, qm, dm = _inputs(nq, nj, 32, ld, 128, torch.bfloat16, kd=False)
     Q.requires_grad_(need_q); D.requires_grad_()
@@ -113,6 +135,7 @@ def test_ring_unified_many_slabs(monkeypatch, normalize, nq, nj, ld, need_q):
 def test_ring_falls_back_when_its_programs_cannot_all_be_resident(monkeypatch):
     spy = LaunchSpy(launch.maxsim_bwd_ring_kernel)
     monkeypatch.setattr(launch, "maxsim_bwd_ring_kernel", spy)
+    monkeypatch.setattr(launch, "RING_ENABLED", True)
     _check(8192, 6, 32, 64, 128, torch.bfloat16, backward="unified")   # 8192 programs: more than fit
     assert spy.launches == 0
 

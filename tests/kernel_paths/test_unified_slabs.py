@@ -44,6 +44,7 @@ def test_ring_unified_matches_reference(monkeypatch, normalize, dtype, need_q):
     spy = LaunchSpy(launch.maxsim_bwd_ring_kernel)
     monkeypatch.setattr(launch, "maxsim_bwd_ring_kernel", spy)
     monkeypatch.setattr(launch, "RING_SLABS", 3)
+    monkeypatch.setattr(launch, "RING_ENABLED", True)  # off by default: wrong on the GPU (launch.py)
     g = torch.Generator().manual_seed(11)
     Q = torch.randn(1, 5, 16, generator=g).to(dtype).requires_grad_(need_q)
     D = torch.randn(5, 7, 16, generator=g).to(dtype).requires_grad_()

@@ -43,7 +43,7 @@ def maxsim_fwd_kernel(
     NORMALIZE: tl.constexpr, SAVE_ARG: tl.constexpr,
     ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, RUNNING_MAX: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
     pid = tl.program_id(0)
@@ -80,6 +80,11 @@ def maxsim_fwd_kernel(
     b_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_arg = tl.zeros([BLOCK_M], tl.int32)
     b_floor = tl.full([BLOCK_M], float("-inf"), tl.float32)   # 0 once a masked doc token competes
+    if RUNNING_MAX:
+        # Without an argmax, keep an elementwise max over the tiles in the accumulator's own
+        # layout and reduce across columns (shuffles between threads) once, at the end
+        # (the launcher turns it on where it measured faster: fp8).
+        b_run = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
     for n0 in range(0, ld, BLOCK_N):
         o_t = n0 + o_n
         m_col = o_t < ld
@@ -104,20 +109,28 @@ def maxsim_fwd_kernel(
         if NORMALIZE:
             b_rd = tl.load(p_rd + o_t, mask=m_col, other=0.0)
             b_s = b_s * b_rd[None, :]
-        m_valid = m_col
         if HAS_DM:
             b_dm = tl.load(p_dm + o_t * s_dmt, mask=m_col, other=0)
             m_valid = m_col & (b_dm != 0)
             if ZERO_MODE:
                 n_masked = tl.sum((m_col & (b_dm == 0)).to(tl.int32), axis=0)
                 b_floor = tl.where(n_masked > 0, 0.0, b_floor)
-        b_s = tl.where(m_valid[None, :], b_s, float("-inf"))
-        b_tile = tl.reduce(b_s, 1, _max_nan)                                            # [BM]
-        if SAVE_ARG:
-            # lowest column reaching the tile max; strict '>' keeps the earliest tile on ties
-            b_targ = tl.min(tl.where(b_s == b_tile[:, None], o_t[None, :], 2147483647), axis=1)
-            b_arg = tl.where(b_tile > b_max, b_targ, b_arg)
-        b_max = _max_nan(b_max, b_tile)
+            b_s = tl.where(m_valid[None, :], b_s, float("-inf"))
+        elif n0 + BLOCK_N > ld:
+            # only the last tile runs past the document: a full tile skips the select, one
+            # of the 2-3 CUDA-core operations per similarity that bound the fp8 forward
+            b_s = tl.where(m_col[None, :], b_s, float("-inf"))
+        if RUNNING_MAX:
+            b_run = _max_nan(b_run, b_s)
+        else:
+            b_tile = tl.reduce(b_s, 1, _max_nan)                                        # [BM]
+            if SAVE_ARG:
+                # lowest column reaching the tile max; strict '>' keeps the earliest tile on ties
+                b_targ = tl.min(tl.where(b_s == b_tile[:, None], o_t[None, :], 2147483647), axis=1)
+                b_arg = tl.where(b_tile > b_max, b_targ, b_arg)
+            b_max = _max_nan(b_max, b_tile)
+    if RUNNING_MAX:
+        b_max = tl.reduce(b_run, 1, _max_nan)
 
     if NORMALIZE:
         b_rq = tl.load(RQ + q_idx.to(tl.int64) * lq + t_idx, mask=m_row, other=1.0)

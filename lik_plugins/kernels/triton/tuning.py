@@ -2,7 +2,7 @@
 
 The host picks the row blocking (``ROWS_PER_Q``, ``QPB``) from the shape; the autotuner
 only chooses the document tile and the pipeline (``BLOCK_N``, ``BLOCK_K``, warps,
-stages).  The key is ``(ROWS_PER_Q, QPB, D_PAD, SAVE_ARG)`` plus the tensor dtypes, so
+stages).  The key is ``(ROWS_PER_Q, QPB, D_PAD, SAVE_ARG, RUNNING_MAX)`` plus the tensor dtypes, so
 batch size, document length, mask presence and query length *within a power-of-two
 bucket* never trigger a new sweep.  (Mask presence does compile a second variant of the
 kernel once, since it is a constexpr; it reuses the tuned config.)
@@ -78,7 +78,7 @@ def _autotune_kwargs() -> dict:
 
 _tuned_forward = triton.autotune(
     configs=_configs(),
-    key=["ROWS_PER_Q", "QPB", "D_PAD", "SAVE_ARG"],
+    key=["ROWS_PER_Q", "QPB", "D_PAD", "SAVE_ARG", "RUNNING_MAX"],
     prune_configs_by={"early_config_prune": _prune},
     **_autotune_kwargs(),
 )(maxsim_fwd_kernel)
@@ -89,7 +89,7 @@ _tuned_forward = triton.autotune(
 _chosen: dict = {}
 
 
-def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_arg):
+def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_arg, running_max=False):
     """The kernel to launch, the meta-parameters the caller must pass, and a callback to
     run after the launch (records the autotuner's choice)."""
     block_k = _block_k(d_pad)
@@ -100,7 +100,7 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
             # a 256-row block on 4 warps would hold 128 fp32 accumulators per thread
             meta.update(num_warps=8 if rows_per_q * qpb >= 256 else 4, num_stages=2)
         return maxsim_fwd_kernel, meta, None
-    key = (rows_per_q, qpb, d_pad, bool(save_arg), dtype)
+    key = (rows_per_q, qpb, d_pad, bool(save_arg), bool(running_max), dtype)
     config = _chosen.get(key)
     if config is not None:
         return maxsim_fwd_kernel, {"BLOCK_K": block_k, **config}, None
