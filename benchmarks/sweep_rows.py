@@ -39,7 +39,7 @@ def main(out, train=False):
         D = torch.nn.functional.normalize(torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
         ref = None
         for max_rows, target in VARIANTS:
-            launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M, launch.INFERENCE_BLOCK_M = max_rows, target, target
+            launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M, launch.WIDE_BLOCK_M = max_rows, target, target
             tuning._chosen.clear()
             fwd = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False,  # noqa: E731
                                          save_argmax=train)
@@ -55,7 +55,7 @@ def main(out, train=False):
                          "ms": ms, "tflops": flops / ms / 1e9, "err_vs_first": err})
             print(f"{name:28s} max_rows {max_rows:3d} target {target:3d} blocking {blocking}: {ms:8.3f} ms "
                   f"{flops / ms / 1e9:6.0f} TFLOP/s (diff {err:.1e})", flush=True)
-        launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M, launch.INFERENCE_BLOCK_M = 128, 128, 256
+        launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M, launch.WIDE_BLOCK_M = 128, 128, 256
         del Q, D
         torch.cuda.empty_cache()
     with open(out, "w") as f:

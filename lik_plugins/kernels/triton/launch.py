@@ -18,13 +18,13 @@ from .tuning import doc_kernel_and_meta, forward_kernel_and_meta, interpreting, 
 MAX_ROWS_PER_Q = 128
 # Rows per program the forward aims for: 128 rows fill a Hopper warpgroup MMA twice over.
 TARGET_BLOCK_M = 128
-# Without a gradient (no argmax epilogue) a program owns up to 256 rows -- several queries,
-# or 256 tokens of one long query -- so each document tile is read half as often.  Measured
-# on an H100 (benchmarks/results/h100/sweep_rows.log, NOTES v10): 5-15 % faster at Lq 32-1024.
-# Only where measured: 16-bit inputs with d <= 128.  The training forward keeps 128 (its
-# argmax epilogue holds more registers per row; not re-measured), and fp32 or wider
-# embeddings keep 128 so the query block and document tiles still fit in shared memory.
-INFERENCE_BLOCK_M = 256
+# With 16-bit (or fp8) inputs and d <= 128 a program owns up to 256 rows -- several
+# queries, or 256 tokens of one long query -- so each document tile is read half as often.
+# Measured on an H100: the inference forward 5-15 % faster at Lq 32-1024 (NOTES v10,
+# results/h100/sweep_rows.log), the training forward with its argmax 2-7 % faster on the
+# in-batch training shapes (NOTES v11, sweep_rows_train.json).  fp32 or wider embeddings
+# keep 128 so the query block and document tiles still fit in shared memory.
+WIDE_BLOCK_M = 256
 # The gather backward splits each query's documents until about this many programs run
 # (two waves of an H100's 132 SMs), but only when fewer than GATHER_SPLIT_BELOW programs
 # would run otherwise (rerank, search): a split costs three more host-side ops (fp32
@@ -125,8 +125,8 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     device = Q.device
     # the MMA's K is at least 16 (16-bit) or 32 (fp8) elements
     d_pad = max(32 if Q.element_size() == 1 else 16, next_pow2(dim))
-    wide = not save_argmax and Q.element_size() <= 2 and d_pad <= 128
-    rows, qpb, n_chunks = row_blocking(lq, nq, cross, INFERENCE_BLOCK_M if wide else TARGET_BLOCK_M)
+    wide = Q.element_size() <= 2 and d_pad <= 128
+    rows, qpb, n_chunks = row_blocking(lq, nq, cross, WIDE_BLOCK_M if wide else TARGET_BLOCK_M)
     n_qblocks = _cdiv(nq, qpb)
     # one row chunk (Lq <= 128, the common case) writes the final scores directly
     scores = torch.empty((nq, nj) if n_chunks == 1 else (n_chunks, nq, nj), dtype=torch.float32, device=device)
