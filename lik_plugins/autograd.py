@@ -19,11 +19,10 @@ def choose_backward(strategy: str, *, cross: bool) -> str:
       so destination-owned gradients have no contention, need no fp32 buffer and are
       deterministic; atomics would buy nothing.
     * in-batch cross product: ``unified`` — one pass over the argmax that gathers for
-      grad_Q and scatters ``g * q`` into fp32 with relaxed atomics.  The fp32 buffer is
-      bounded: one launch walks the documents in 32 slabs and keeps two of them (1/8 of
-      grad_D in bf16), converting each slab after a grid barrier (the "ring"); when its
-      programs cannot all be resident (very many queries) the slabs go one launch at a
-      time.  The deterministic alternative (a one-hot product per document tile) costs as
+      grad_Q and scatters ``g * q`` into fp32 with relaxed atomics.  The fp32 buffer
+      covers the documents (slab by slab from the host above 64 MiB); a one-launch
+      two-slab ring exists but is off (wrong on the H100 in part of the runs,
+      ``launch.RING_ENABLED``).  The deterministic alternative (a one-hot product per document tile) costs as
       many FLOPs as the forward and measured 1.6-2x slower on an H100 even after tuning
       (benchmarks/NOTES.md, v9).  The price of ``unified`` is run-to-run rounding
       differences in grad_D; pass ``backward="lowmem"`` for bitwise determinism.
