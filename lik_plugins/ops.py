@@ -188,32 +188,72 @@ def retrieve(
 
     ``top_k`` is clamped to ``Nd``.  ``chunk`` scores the corpus ``chunk`` documents at a
     time and keeps a running top-k, so memory stays ``O(Nq * (k + chunk))`` for any corpus
-    size.  No gradient is computed.
+    size.  No gradient is computed.  ``D`` may be an fp8 index (:class:`lik_plugins.Fp8Tokens`
+    from :func:`lik_plugins.quantize_fp8`): then every chunk is scored by
+    :func:`lik_plugins.maxsim_fp8` (``Q`` quantised once) and ``normalize`` must be off --
+    normalise before quantising (``quantize_fp8(D, normalize=True)``).
     """
+    from .fp8 import Fp8Tokens
+
+    if isinstance(D, Fp8Tokens):
+        return _retrieve_fp8(Q, D, top_k, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode, chunk=chunk,
+                             largest=largest)
     _check_tensor("D", D, 3)
+    _check_retrieve_args(top_k, chunk)
+    _check_options("auto", mask_mode)
+    Q, D, q_mask, d_mask, _ = _prepare(Q, D, q_mask, d_mask, pairs=False)
+    _routing.record("retrieve", served_by(Q))
+    score_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
+
+    def score(start, stop, dm):
+        return _run(None, Q, D[start:stop], q_mask, dm, True, normalize=normalize, backward="auto",
+                    mask_mode=mask_mode)
+
+    return _running_top_k(score, Q.shape[0], D.shape[0], d_mask, top_k, chunk, largest, score_dtype, Q.device)
+
+
+def _check_retrieve_args(top_k, chunk) -> None:
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
     if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
         raise ValueError(f"chunk must be a positive int or None, got {chunk!r}")
-    _check_options("auto", mask_mode)
-    Q, D, q_mask, d_mask, _ = _prepare(Q, D, q_mask, d_mask, pairs=False)
-    nq, nd = Q.shape[0], D.shape[0]
+
+
+def _running_top_k(score, nq, nd, d_mask, top_k, chunk, largest, score_dtype, device):
+    """Top-k over the corpus, ``chunk`` documents at a time: ``score(start, stop, d_mask
+    slice)`` gives the chunk's ``[Nq, stop - start]`` scores."""
     k = min(top_k, nd)
     step = nd if chunk is None else chunk
-    _routing.record("retrieve", served_by(Q))
-    score_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
-    best_scores = torch.empty((nq, 0), dtype=score_dtype, device=Q.device)
-    best_index = torch.empty((nq, 0), dtype=torch.long, device=Q.device)
+    best_scores = torch.empty((nq, 0), dtype=score_dtype, device=device)
+    best_index = torch.empty((nq, 0), dtype=torch.long, device=device)
     with torch.no_grad():
         for start in range(0, nd, max(step, 1)):
             stop = min(start + step, nd)
-            dm = None if d_mask is None else d_mask[start:stop]
-            part = _run(None, Q, D[start:stop], q_mask, dm, True,
-                        normalize=normalize, backward="auto", mask_mode=mask_mode)
-            index = torch.arange(start, stop, device=Q.device).expand(nq, -1)
+            part = score(start, stop, None if d_mask is None else d_mask[start:stop])
+            index = torch.arange(start, stop, device=device).expand(nq, -1)
             cand_scores = torch.cat([best_scores, part.to(best_scores.dtype)], dim=1)
             cand_index = torch.cat([best_index, index], dim=1)
             keep = min(k, cand_scores.shape[1])
             best_scores, pos = cand_scores.topk(keep, dim=1, largest=largest, sorted=True)
             best_index = cand_index.gather(1, pos)
     return best_scores, best_index
+
+
+def _retrieve_fp8(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, largest):
+    from .fp8 import _as_tokens, maxsim_fp8, served_by_fp8
+
+    _check_retrieve_args(top_k, chunk)
+    if normalize:
+        raise ValueError("retrieve over an fp8 index cannot normalise: quantise normalised tokens "
+                         "(quantize_fp8(D, normalize=True)) and pass normalized queries")
+    if D.values.dim() != 3:
+        raise ValueError(f"retrieve needs an fp8 index [Nd, Ld, d], got shape {tuple(D.values.shape)}")
+    q = _as_tokens("Q", Q, (3,))  # quantised once for every chunk
+    d_mask = _check_mask("d_mask", d_mask, tuple(D.values.shape[:-1]), D.device)
+    _routing.record("retrieve", served_by_fp8(q.values))
+
+    def score(start, stop, dm):
+        return maxsim_fp8(q, D.select(slice(start, stop)), q_mask, dm, mask_mode=mask_mode)
+
+    return _running_top_k(score, q.values.shape[0], D.values.shape[0], d_mask, top_k, chunk, largest,
+                          torch.float32, q.device)

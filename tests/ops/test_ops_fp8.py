@@ -172,3 +172,29 @@ def test_maxsim_fp8_rejects_malformed_tokens(gen):
         lik.maxsim_fp8(Q, d, mask_mode="max")
     with pytest.raises(ValueError, match="per-query candidates"):
         lik.maxsim_fp8(Q, lik.quantize_fp8(torch.randn(3, 2, 5, 8)))
+
+
+# ------------------------------------------------------------------ retrieve over an fp8 index
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_retrieve_over_an_fp8_index(gen, monkeypatch, backend, chunk):
+    monkeypatch.setenv("LIK_BACKEND", backend)
+    Q, D, qm, dm = make_inputs(gen, "cross", 3, 11, 6, 9, 32, special_rows=False)
+    index = lik.quantize_fp8(D)
+    scores, ids = lik.retrieve(Q, index, 5, qm, dm, chunk=chunk)
+    full = reference.maxsim_fp8(lik.quantize_fp8(Q), index, qm, dm, dtype=torch.float64)
+    want = full.topk(5, dim=1)
+    assert torch.equal(ids, want.indices)
+    assert rel_err(scores, want.values) < 1e-5
+    assert (scores[:, :-1] >= scores[:, 1:]).all()
+
+
+def test_retrieve_over_an_fp8_index_rejects_normalize_and_bad_masks(gen):
+    Q = torch.randn(2, 4, 16, generator=gen)
+    index = lik.quantize_fp8(torch.randn(5, 6, 16, generator=gen))
+    with pytest.raises(ValueError, match="normalize=True"):
+        lik.retrieve(Q, index, 2, normalize=True)
+    with pytest.raises(ValueError, match="d_mask must have shape"):
+        lik.retrieve(Q, index, 2, d_mask=torch.ones(4, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="top_k"):
+        lik.retrieve(Q, index, -1)
