@@ -127,8 +127,10 @@ def maxsim(
         backward: ``"auto"``, ``"unified"`` (gather + atomic scatter; fastest where
             contention is low) or ``"lowmem"`` (deterministic — bitwise identical across
             runs — gradients written in the input dtype, no full-size fp32 buffer).
-            ``"auto"`` picks ``"unified"`` for the cross product and ``"lowmem"`` for
-            candidates and pairs (see :func:`lik_plugins.autograd.choose_backward`).
+            ``"auto"`` picks ``"lowmem"`` for candidates and pairs, and for the cross
+            product ``"unified"`` except for small batches and short documents, where
+            ``"lowmem"`` measured faster or much leaner (see
+            :func:`lik_plugins.autograd.choose_backward`).
         mask_mode: ``"exclude"`` — a masked document token cannot win; a query token with
             no valid document token contributes 0.  ``"zero"`` — PyLate's multiplicative
             mask: a masked document token's similarity is 0 and competes for the max.

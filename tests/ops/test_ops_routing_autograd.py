@@ -84,7 +84,8 @@ def test_argmax_saved_when_a_gradient_is_needed(gen, backend, spy):
     assert out.grad_fn is not None
     out.sum().backward()
     assert spy["forward"] == [(True, True)]
-    assert spy["backward"] == [(True, True, choose_backward("auto", cross=True))]
+    shape = (Q.shape[0], Q.shape[1], D.shape[0], D.shape[1], Q.shape[2])
+    assert spy["backward"] == [(True, True, choose_backward("auto", cross=True, shape=shape))]
     assert Q.grad is not None and D.grad is not None
 
 
@@ -102,8 +103,9 @@ def test_gradients_only_for_inputs_that_require_them(gen, backend, spy, layout):
     assert Qr.grad is not None and Dr.grad is None
 
 
-# what ``backward="auto"`` resolves to, as documented in choose_backward / maxsim
-AUTO = {"cross": "unified", "kd": "lowmem", "pairs": "lowmem"}
+# what ``backward="auto"`` resolves to for the small shapes below, as documented in
+# choose_backward / maxsim (a cross product this small has too few query programs for unified)
+AUTO = {"cross": "lowmem", "kd": "lowmem", "pairs": "lowmem"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -117,8 +119,15 @@ def test_backward_strategy_reaches_the_launcher(gen, backend, spy, strategy, lay
 
 
 def test_choose_backward():
-    assert choose_backward("auto", cross=True) == AUTO["cross"]
+    assert choose_backward("auto", cross=True) == "unified"          # no shape: the cross-product default
     assert choose_backward("auto", cross=False) == AUTO["kd"]
+    # (Nq, Lq, Nd, Ld, d) of the benchmark's in-batch training shapes
+    assert choose_backward("auto", cross=True, shape=(2, 4, 2, 9, 16)) == AUTO["cross"]
+    assert choose_backward("auto", cross=True, shape=(64, 32, 64, 1030, 128)) == "lowmem"     # 64 programs
+    assert choose_backward("auto", cross=True, shape=(256, 32, 256, 256, 128)) == "lowmem"    # 32 MiB buffer
+    assert choose_backward("auto", cross=True, shape=(1024, 32, 1024, 256, 128)) == "unified"
+    assert choose_backward("auto", cross=True, shape=(256, 32, 256, 1030, 128)) == "unified"  # long documents
+    assert choose_backward("auto", cross=True, shape=(66, 64, 66, 1030, 128)) == "unified"    # 132 programs
     for strategy in ("lowmem", "unified"):
         assert choose_backward(strategy, cross=True) == choose_backward(strategy, cross=False) == strategy
     with pytest.raises(ValueError, match=r"backward must be one of 'auto', 'unified', 'lowmem'; got 'fast'"):
