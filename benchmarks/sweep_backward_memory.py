@@ -5,7 +5,9 @@ above the cap the documents are scattered slab by slab from the host) and ``lowm
 (destination-owned, no fp32 buffer), measured as ``bench_kernels.py`` measures a training
 step (median over rotating inputs; peak above the inputs, gradients included).
 
-Usage: python benchmarks/sweep_backward_memory.py OUT_JSON
+Shapes: every cross-product training shape of the benchmark (in-batch and the small 8x8).
+
+Usage: python benchmarks/sweep_backward_memory.py OUT_JSON [NAME_SUBSTRING]
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 import lik_plugins as lik  # noqa: E402
-from bench_kernels import SHAPES, bench_one, make_inputs  # noqa: E402
+from bench_kernels import ALL_SHAPES, bench_one, make_inputs  # noqa: E402
 from lik_plugins.kernels import chunked  # noqa: E402
 from lik_plugins.kernels.triton import launch  # noqa: E402
 
@@ -26,9 +28,9 @@ VARIANTS = [("unified 64MiB", "unified", 64 << 20), ("unified 16MiB", "unified",
             ("unified 4MiB", "unified", 4 << 20), ("lowmem", "lowmem", None)]
 
 
-def main(out):
+def main(out, only=""):
     rows = []
-    for shape in [s for s in SHAPES if "in-batch" in s.name]:
+    for shape in [s for s in ALL_SHAPES if s.kind == "train" and s.layout == "cross" and only in s.name]:
         n_sets = max(1, min(8, math.ceil(120e6 / ((shape.nq * shape.lq + shape.nj * shape.ld) * 128 * 2 * 3))))
         sets = []
         for i in range(n_sets):
@@ -53,4 +55,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
