@@ -66,8 +66,8 @@ def _check_source(name: str, x) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _SOURCE_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64 tokens, got {x.dtype}")
-    if x.dim() < 2:
-        raise ValueError(f"{name} must be tokens [..., L, d], got shape {tuple(x.shape)}")
+    if x.dim() < 2 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must be tokens [..., L, d] with d >= 1, got shape {tuple(x.shape)}")
 
 
 def _quantize(x: torch.Tensor) -> Fp8Tokens:

@@ -79,6 +79,8 @@ def test_quantize_rejects_bad_input():
         lik.quantize_fp8(torch.ones(2, 3, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"tokens \[..., L, d\]"):
         lik.quantize_fp8(torch.ones(4))
+    with pytest.raises(ValueError, match="d >= 1"):
+        lik.quantize_fp8(torch.ones(2, 3, 0))
     with pytest.raises(TypeError, match="torch.Tensor"):
         lik.quantize_fp8([[1.0]])
 
