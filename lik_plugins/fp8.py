@@ -25,11 +25,10 @@ from . import _routing
 from ._config import disabled, forced_backend, triton_interpret
 from .kernels import reference
 from .kernels.dispatch import triton_available
-from .kernels.reference import FP8_DTYPE, MASK_MODES
+from .kernels.reference import FP8_DTYPE
+from .ops import _FLOAT_DTYPES, _check_mask, _check_options
 
 __all__ = ["Fp8Tokens", "quantize_fp8", "maxsim_fp8"]
-
-_SOURCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class Fp8Tokens(NamedTuple):
@@ -64,7 +63,7 @@ class Fp8Tokens(NamedTuple):
 def _check_source(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _SOURCE_DTYPES:
+    if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64 tokens, got {x.dtype}")
     if x.dim() < 2 or x.shape[-1] == 0:
         raise ValueError(f"{name} must be tokens [..., L, d] with d >= 1, got shape {tuple(x.shape)}")
@@ -171,8 +170,6 @@ def maxsim_fp8(
     Returns:
         float32 scores of the dequantised tokens (``reference.maxsim_fp8``).
     """
-    from .ops import _check_mask, _check_options
-
     _check_options("auto", mask_mode)
     q = _as_tokens("Q", Q, (3,))
     d = _as_tokens("D", D, (3, 4))

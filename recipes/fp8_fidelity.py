@@ -98,11 +98,12 @@ def agreement(base, other) -> dict:
 
 def fidelity(scores: dict) -> dict:
     base = scores["bf16"]
+    base_ndcg = ranking_metrics(base)["ndcg@10"]
     report = {"queries": base.shape[0], "passages": base.shape[1], "baseline": "bf16", "precisions": {}}
     for name, s in scores.items():
         row = ranking_metrics(s)
         row.update(agreement(base, s))
-        row["ndcg@10_minus_bf16"] = row["ndcg@10"] - ranking_metrics(base)["ndcg@10"]
+        row["ndcg@10_minus_bf16"] = row["ndcg@10"] - base_ndcg
         report["precisions"][name] = row
     return report
 

@@ -13,12 +13,8 @@ import triton
 import triton.language as tl
 
 from ..reference import FP8_DTYPE, FP8_MAX
+from .forward import _max_nan
 from .tuning import interpreting, next_pow2
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
