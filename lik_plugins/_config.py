@@ -12,6 +12,8 @@ between two calls in the same process.
                             (this is how CI runs the real kernels).
 ``LIK_CHUNK_ELEMENTS``      element budget of one similarity chunk on the chunked path
                             (default 2**24, i.e. 64 MB of fp32 scratch).
+``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
+                            the compiled launcher (see ``kernels/triton/direct.py``).
 ``PYLATE_SCORES_BACKEND``   PyLate's own selector, honoured by the patch on every release:
                             ``lik`` (ours), ``torch`` (PyLate's path), ``auto`` (ours where
                             it applies); ``lik``/``auto`` also activate the patch at start-up.
@@ -34,6 +36,10 @@ def _flag(name: str) -> bool:
 def disabled() -> bool:
     """``LIK_DISABLE=1``: route everything to the plain formulation / the host original."""
     return _flag("LIK_DISABLE")
+
+
+def direct_launch_enabled() -> bool:
+    return os.environ.get("LIK_DIRECT_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def forced_backend() -> str:

@@ -104,10 +104,26 @@ def test_long_query_is_split_into_row_chunks(gen):
     check_against_reference("cross", Q, D, qm, dm, gen=gen, mask_mode="zero", normalize=True, backward="lowmem")
 
 
+@pytest.fixture
+def split_gather(monkeypatch):
+    """Let the gather backward split tiny document sets over programs (it needs many steps
+    per program to pay on a GPU), and check that the shape given does split."""
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setattr(launch, "GATHER_SPLIT_MIN_STEPS", 1)
+
+    def splits(nq, nj, lq, d):
+        n_split = launch._gather_blocking(nq, nj, lq, max(16, 1 << (d - 1).bit_length()))[3]
+        assert n_split > 1, "the shape no longer splits the gather: the test would not cover the partials"
+
+    return splits
+
+
 @pytest.mark.parametrize("backward", ["lowmem", "unified"])
-def test_wide_embedding_uses_k_loop(gen, backward):
+def test_wide_embedding_uses_k_loop(gen, backward, split_gather):
     """d = 300 > 256: the forward loops over K tiles; the gather backward splits the
     documents over programs (fp32 partials, then the normalisation Jacobian)."""
+    split_gather(2, 4, 5, 300)
     Q, D, qm, dm = make_inputs(gen, "cross", 2, 4, 5, 9, 300)
     check_against_reference("cross", Q, D, qm, dm, gen=gen, normalize=True, backward=backward)
 
@@ -117,8 +133,9 @@ def test_wide_embedding_candidates(gen):
     check_against_reference("kd", Q, D, qm, dm, gen=gen, mask_mode="zero", backward="lowmem")
 
 
-def test_few_queries_many_documents_split_gather(gen):
+def test_few_queries_many_documents_split_gather(gen, split_gather):
     """One query, many documents: the gather backward splits the documents (partials)."""
+    split_gather(1, 6, 33, 64)
     Q, D, qm, dm = make_inputs(gen, "cross", 1, 6, 33, 5, 64)
     check_against_reference("cross", Q, D, qm, dm, gen=gen, backward="lowmem")
 

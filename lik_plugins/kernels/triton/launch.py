@@ -12,7 +12,8 @@ import triton
 from ..common import inverse_norms
 from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
 from .forward import maxsim_fwd_kernel
-from .tuning import doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
+from .direct import launch
+from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
 
 # Lq above this is split into row chunks of this many tokens (exact: partial sums).
 MAX_ROWS_PER_Q = 128
@@ -30,8 +31,13 @@ WIDE_BLOCK_M = 256
 # would run otherwise (rerank, search): a split costs three more host-side ops (fp32
 # partials, their sum, a copy), ~0.1 ms on a slow host, which is more than the kernel time
 # it saves once every SM has half a program (measured: benchmarks/NOTES.md, v7).
+# It also needs enough steps per program to be worth those ops: a step (BLOCK_J documents)
+# takes ~1-2 us of dependent loads, the split ~50 us of host time on the H100 machine, so
+# below GATHER_SPLIT_MIN_STEPS the unsplit gather finishes first (the 8x8 training shape:
+# 4 steps; rerank 1x1000: 500).
 GATHER_TARGET_PROGRAMS = 264
 GATHER_SPLIT_BELOW = 64
+GATHER_SPLIT_MIN_STEPS = 32
 # Largest fp32 grad_D buffer the unified backward allocates for the cross product; more
 # documents are scattered slab by slab.  Slabs cost time (each is a launch with less
 # parallelism: 4 MiB measured 1.3-3x slower on an H100), so the cap is generous.
@@ -62,11 +68,6 @@ def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs must not be silently computed at reduced precision: three TF32 passes
     # give ~fp32 accuracy on the tensor cores.  (fp16/bf16 ignore the setting.)
     return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
-def _cdiv(a: int, b: int) -> int:
-    # not triton.cdiv: that is a JIT function, and calling it from the host costs ~10 us
-    return -(-a // b)
 
 
 _PLACEHOLDERS: dict = {}
@@ -112,7 +113,7 @@ def row_blocking(lq: int, nq: int, cross: bool, block_m: int = TARGET_BLOCK_M) -
     else:
         qpb = 1  # each query has its own candidates: nothing to share
     rows = max(rows, 16 // qpb)
-    return rows, qpb, _cdiv(max(lq, 1), rows)
+    return rows, qpb, cdiv(max(lq, 1), rows)
 
 
 def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, scales=None):
@@ -127,7 +128,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     d_pad = max(32 if Q.element_size() == 1 else 16, next_pow2(dim))
     wide = Q.element_size() <= 2 and d_pad <= 128
     rows, qpb, n_chunks = row_blocking(lq, nq, cross, WIDE_BLOCK_M if wide else TARGET_BLOCK_M)
-    n_qblocks = _cdiv(nq, qpb)
+    n_qblocks = cdiv(nq, qpb)
     # one row chunk (Lq <= 128, the common case) writes the final scores directly
     scores = torch.empty((nq, nj) if n_chunks == 1 else (n_chunks, nq, nj), dtype=torch.float32, device=device)
     argmax = None
@@ -157,7 +158,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
         save_arg=save_argmax, running_max=running_max,
     )
     grid = (nj * n_qblocks * n_chunks,)
-    kernel[grid](
+    launch(kernel, grid, (
         Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else placeholder,
         nq, nj, lq, ld, dim,
         Q.stride(0), Q.stride(1), Q.stride(2),
@@ -166,13 +167,14 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
         s_dmi, s_dmj, s_dmt,
         s_rdi, s_rdj,
         n_qblocks, n_chunks,
+    ), dict(
         HAS_QM=q_mask is not None, HAS_DM=d_mask is not None, ZERO_MODE=bool(zero_mode),
         NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype),
         RUNNING_MAX=running_max,
         **meta,
-    )
+    ))
     if after_launch is not None:
         after_launch()
     return (scores if n_chunks == 1 else scores.sum(0)), argmax
@@ -185,10 +187,9 @@ def _project_into(g32, X, inv_norm, out):
     d_pad = max(16, next_pow2(dim))
     block_r = max(1, min(64, 8192 // d_pad))
     x_rows = X.reshape(rows, dim)
-    project_rows_kernel[(_cdiv(rows, block_r),)](
-        g32, x_rows, inv_norm.reshape(-1), out, rows, dim, x_rows.stride(0), x_rows.stride(1),
-        BLOCK_R=block_r, D_PAD=d_pad,
-    )
+    launch(project_rows_kernel, (cdiv(rows, block_r),),
+           (g32, x_rows, inv_norm.reshape(-1), out, rows, dim, x_rows.stride(0), x_rows.stride(1)),
+           dict(BLOCK_R=block_r, D_PAD=d_pad))
 
 
 def _finish_grad_d(g32, D, rd, out, normalize):
@@ -203,13 +204,13 @@ def _gather_blocking(nq, nj, lq, d_pad):
     block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
     # ~64 gathered rows per step (fewer for wide embeddings: registers)
     block_j = max(1, min(next_pow2(nj), max(1, 8192 // (block_s * d_pad))))
-    base_programs = nq * _cdiv(lq, block_s)
-    j_steps = _cdiv(nj, block_j)
+    base_programs = nq * cdiv(lq, block_s)
+    j_steps = cdiv(nj, block_j)
     n_split = 1
-    if base_programs < GATHER_SPLIT_BELOW:
+    if base_programs < GATHER_SPLIT_BELOW and j_steps >= GATHER_SPLIT_MIN_STEPS:
         n_split = max(1, min(j_steps, GATHER_TARGET_PROGRAMS // base_programs))
-    j_per_split = _cdiv(j_steps, n_split) * block_j
-    return block_s, block_j, base_programs, _cdiv(nj, j_per_split), j_per_split
+    j_per_split = cdiv(j_steps, n_split) * block_j
+    return block_s, block_j, base_programs, cdiv(nj, j_per_split), j_per_split
 
 
 def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
@@ -229,7 +230,7 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
     gq_out = grad_q
     if partial:
         gq_out = torch.empty((n_split, nq, lq, dim), dtype=torch.float32, device=device)
-    maxsim_bwd_gather_kernel[(base_programs * n_split,)](
+    launch(maxsim_bwd_gather_kernel, (base_programs * n_split,), (
         grad, Q, D, rq, rd, argmax, gq_out if gq_out is not None else placeholder,
         gd32 if gd32 is not None else placeholder,
         nq, nj, lq, ld, dim,
@@ -239,9 +240,10 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
         s_rdi, s_rdj,
         0 if cross else nj * ld * dim, ld * dim, argmax.stride(0),
         n_split, j_per_split,
+    ), dict(
         NEED_Q=need_q, SCATTER_D=scatter, NORMALIZE=bool(normalize), PARTIAL=partial,
         BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
-    )
+    ))
     if partial:
         summed = gq_out.sum(0)
         if normalize:
@@ -283,8 +285,8 @@ def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize, d_pad):
             return None
     else:
         meta["num_warps"] = 4 if d_pad <= 128 else 8
-    slab = _cdiv(nj, RING_SLABS)
-    n_slabs = _cdiv(nj, slab)
+    slab = cdiv(nj, RING_SLABS)
+    n_slabs = cdiv(nj, slab)
     device = Q.device
     key = (device, tuple(sorted(meta.items())), Q.dtype, D.dtype)
     if key in _RING_CAPACITY and n_programs > _RING_CAPACITY[key]:
@@ -299,7 +301,7 @@ def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize, d_pad):
         Q.stride(0), Q.stride(1), Q.stride(2),
         D.stride(0), D.stride(1), D.stride(2),
         rd.stride(0) if normalize else 0, argmax.stride(0),
-        slab, n_slabs, n_programs, _cdiv(slab * ld, n_programs),
+        slab, n_slabs, n_programs, cdiv(slab * ld, n_programs),
     )
     if not interpreting() and key not in _RING_CAPACITY:
         compiled = maxsim_bwd_ring_kernel.warmup(*args, grid=(n_programs,), **meta)
@@ -392,19 +394,18 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
         WITH_GATHER=fused_gather, BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad,
     )
     if winners:
-        maxsim_bwd_winners_kernel[(n_gather + nq * nj,)](
-            *lowmem_args, BLOCK_SW=max(16, next_pow2(lq)), **lowmem_meta,
+        launch(maxsim_bwd_winners_kernel, (n_gather + nq * nj,), lowmem_args, dict(
+            BLOCK_SW=max(16, next_pow2(lq)), **lowmem_meta,
             **({} if interpreting() else {"num_warps": 4 if d_pad <= 128 else 8, "num_stages": 1}),
-        )
+        ))
     elif need_d and not scatter:
         n_docs = nj if cross else nq * nj
         kernel, meta, after_launch = doc_kernel_and_meta(
-            d_pad=d_pad, n_programs_at_64=n_docs * _cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
+            d_pad=d_pad, n_programs_at_64=n_docs * cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
             normalize=normalize, with_gather=fused_gather, dtype=Q.dtype, guard_rows=q_masked,
         )
-        kernel[lambda m: (n_gather + n_docs * _cdiv(ld, m["BLOCK_T"]),)](
-            *lowmem_args, CROSS=cross, GUARD_ROWS=q_masked, **lowmem_meta, **meta,
-        )
+        launch(kernel, lambda m: (n_gather + n_docs * cdiv(ld, m["BLOCK_T"]),), lowmem_args,
+               dict(CROSS=cross, GUARD_ROWS=q_masked, **lowmem_meta, **meta))
         if after_launch is not None:
             after_launch()
     return grad_q, grad_d

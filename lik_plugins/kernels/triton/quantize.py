@@ -14,7 +14,8 @@ import triton.language as tl
 
 from ..reference import FP8_DTYPE, FP8_MAX
 from .forward import _max_nan
-from .tuning import interpreting, next_pow2
+from .direct import launch
+from .tuning import cdiv, interpreting, next_pow2
 
 
 @triton.jit
@@ -53,8 +54,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return values.to(FP8_DTYPE), scales.fill_(1.0)
     d_pad = max(16, next_pow2(dim))
     block_r = max(1, min(64, 8192 // d_pad))
-    quantize_rows_kernel[(-(-n_rows // block_r),)](
-        rows, values, scales, n_rows, dim, rows.stride(0), rows.stride(1),
-        BLOCK_R=block_r, D_PAD=d_pad, FP8_LIMIT=FP8_MAX, CAST_ON_HOST=cast_on_host,
-    )
+    launch(quantize_rows_kernel, (cdiv(n_rows, block_r),),
+           (rows, values, scales, n_rows, dim, rows.stride(0), rows.stride(1)),
+           dict(BLOCK_R=block_r, D_PAD=d_pad, FP8_LIMIT=FP8_MAX, CAST_ON_HOST=cast_on_host))
     return (values.to(FP8_DTYPE) if cast_on_host else values), scales

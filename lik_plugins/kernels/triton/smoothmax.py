@@ -23,8 +23,6 @@ Under ``TRITON_INTERPRET=1`` (CI) bf16 tiles are upcast to fp32 before ``tl.dot`
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,14 +30,8 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 from ..smoothmax import FUSED_MAX_DIM as MAX_DIM
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from .direct import launch
+from .tuning import cdiv, interpreting, next_pow2
 
 
 @triton.jit
@@ -189,25 +181,25 @@ def _geometry(Q: torch.Tensor, D: torch.Tensor, cross: bool):
     nq, lq, dim = Q.shape
     if dim > MAX_DIM:
         raise ValueError(f"the fused smooth-max kernel takes d <= {MAX_DIM}, got {dim}")
-    rows = max(16, _next_pow2(lq))
+    rows = max(16, next_pow2(lq))
     qpb = max(1, 128 // rows) if cross else 1
-    qpb = min(qpb, _next_pow2(nq))
+    qpb = min(qpb, next_pow2(nq))
     n_j, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
-    d_pad = max(16, _next_pow2(dim))
+    d_pad = max(16, next_pow2(dim))
     # D strides as [owner, j, t, h]: the cross product has no owner axis
     if cross:
         s_d = (0, D.stride(0), D.stride(1), D.stride(2))
     else:
         s_d = D.stride()
     return dict(nq=nq, lq=lq, dim=dim, rows=rows, qpb=qpb, n_j=n_j, ld=ld, d_pad=d_pad, s_d=s_d,
-                n_qblocks=triton.cdiv(nq, qpb))
+                n_qblocks=cdiv(nq, qpb))
 
 
 def _meta(Q: torch.Tensor, g: dict) -> dict:
-    upcast = _interpreting() and Q.dtype == torch.bfloat16
+    upcast = interpreting() and Q.dtype == torch.bfloat16
     precision = "ieee" if Q.dtype == torch.float32 else "tf32"
     meta = dict(QPB=g["qpb"], ROWS=g["rows"], D_PAD=g["d_pad"], UPCAST=upcast, PRECISION=precision)
-    if _interpreting():
+    if interpreting():
         meta["BLOCK_N"] = 64
     else:
         block_m = g["qpb"] * g["rows"]
@@ -224,12 +216,11 @@ def forward(Q: torch.Tensor, D: torch.Tensor, tau: float, cross: bool):
         return out, lse
     meta = _meta(Q, g)
     grid = (g["n_qblocks"] * g["n_j"],)
-    _smooth_fwd_kernel[grid](
+    launch(_smooth_fwd_kernel, grid, (
         Q, D, out, lse,
         g["nq"], g["n_j"], g["lq"], g["ld"], g["dim"], g["n_qblocks"], LOG2E / tau, tau,
         *Q.stride(), *g["s_d"], *out.stride(), *lse.stride(),
-        **meta,
-    )
+    ), meta)
     return out, lse
 
 
@@ -244,29 +235,27 @@ def backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need_d: boo
     if need_d:
         gd = torch.empty_like(D)
         gd_s = (0, *gd.stride()) if cross else gd.stride()
-        n_ntiles = triton.cdiv(g["ld"], meta["BLOCK_N"])
+        n_ntiles = cdiv(g["ld"], meta["BLOCK_N"])
         n_own = 1 if cross else g["nq"]
         grid = (n_own * g["n_j"] * n_ntiles,)
         if grid[0] > 0:
-            _smooth_bwd_dd_kernel[grid](
+            launch(_smooth_bwd_dd_kernel, grid, (
                 Q, D, lse, grad, gd, *common, n_ntiles, scale2,
                 *Q.stride(), *g["s_d"], *lse.stride(), *grad.stride(), *gd_s,
-                CROSS=cross, **meta,
-            )
+            ), {"CROSS": cross, **meta})
     if need_q:
         gq = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
         # enough programs to fill the device; each adds its partial dQ once (atomically)
-        target = 1 if _interpreting() else 4 * _sm_count(Q.device)
-        n_split = max(1, min(g["n_j"], triton.cdiv(target, g["n_qblocks"])))
-        if _interpreting() and g["n_j"] > 1:
+        target = 1 if interpreting() else 4 * _sm_count(Q.device)
+        n_split = max(1, min(g["n_j"], cdiv(target, g["n_qblocks"])))
+        if interpreting() and g["n_j"] > 1:
             n_split = 2  # exercise the split (atomic) accumulation in CI
         grid = (g["n_qblocks"] * n_split,)
         if grid[0] > 0 and g["n_j"] > 0:
-            _smooth_bwd_dq_kernel[grid](
+            launch(_smooth_bwd_dq_kernel, grid, (
                 Q, D, lse, grad, gq, *common, n_split, scale2,
                 *Q.stride(), *g["s_d"], *lse.stride(), *grad.stride(), *gq.stride(),
-                **meta,
-            )
+            ), meta)
     return gq, gd
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 import triton
 
 from .backward import maxsim_bwd_doc_kernel
 from .forward import maxsim_fwd_kernel
+
+_INTERPRETED = not isinstance(maxsim_fwd_kernel, triton.runtime.JITFunction)
 
 # Below this many programs a launch is latency-bound: a sweep costs more than it saves.
 SMALL_LAUNCH_PROGRAMS = 128
@@ -30,8 +31,16 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    # not triton.cdiv: that is a JIT function, and calling it from the host costs ~10 us
+    return -(-a // b)
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """The kernels run in Triton's interpreter.  Triton decides that when a kernel is
+    defined (``TRITON_INTERPRET=1`` at import), so this asks a kernel, not the environment
+    (which a caller may change later, and which costs microseconds per read)."""
+    return _INTERPRETED
 
 
 def _block_k(d_pad: int) -> int:

@@ -1,0 +1,46 @@
+"""Plans of the direct launcher: what they are keyed on, and that the interpreter (CI)
+never replays a compiled launcher (it has none).  The replay itself is checked on a GPU
+against the JIT path, bit for bit (tests/gpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lik_plugins.kernels import dispatch
+
+pytestmark = pytest.mark.skipif(not dispatch.triton_available(), reason="needs triton")
+
+
+def test_plan_key_separates_what_triton_specialises_on():
+    from lik_plugins.kernels.triton.direct import _feature
+
+    # integers: equal to 1, divisible by 16, 32 or 64 bits -- each changes the compiled code
+    assert _feature(1) != _feature(3)
+    assert _feature(16) != _feature(17)
+    assert _feature(16) == _feature(4096)           # same specialisation: one plan serves both
+    assert _feature(2**31) != _feature(2**31 - 16)
+    # tensors: dtype and 16-byte alignment of the address
+    x = torch.zeros(64, dtype=torch.float32)
+    assert _feature(x) == _feature(x[4:])           # 16 bytes in: still aligned
+    assert _feature(x) != _feature(x[1:])           # 4 bytes in: not
+    assert _feature(x) != _feature(x.to(torch.float16))
+    assert _feature(True) != _feature(False) and _feature(None) != _feature(False)
+
+
+def test_interpreter_launches_through_the_jit_and_keeps_no_plans(monkeypatch):
+    from lik_plugins._config import triton_interpret
+
+    if not triton_interpret():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    import lik_plugins as lik
+    from lik_plugins.kernels.triton import direct
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    direct.clear()
+    Q, D = torch.randn(2, 5, 16), torch.randn(3, 7, 16)
+    assert dispatch.served_by(Q) == "triton"
+    with torch.no_grad():
+        out = lik.maxsim(Q, D)
+    ref = (Q.double() @ D.double().reshape(-1, 16).T).reshape(2, 5, 3, 7).amax(-1).sum(1)
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert direct._plans == {}
