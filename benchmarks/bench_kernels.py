@@ -313,11 +313,17 @@ def write(out_dir, rows, meta):
 
 def merge(out_dir, parts):
     """One table from several runs of this script (each call of the device is time-limited):
-    rows concatenated in order, the first part's environment, every part's command."""
+    rows in order, the first part's environment, every part's command.  A shape measured
+    again in a later part replaces that shape's earlier rows (the table takes each
+    implementation's best run, so keeping both would mix code versions)."""
     loaded = [json.load(open(p)) for p in parts]
     meta = dict(loaded[0]["meta"])
     meta["command"] = " ; ".join(part["meta"]["command"] for part in loaded)
-    write(out_dir, [r for part in loaded for r in part["rows"]], meta)
+    rows = []
+    for part in loaded:
+        again = {r["shape"]["name"] for r in part["rows"]}
+        rows = [r for r in rows if r["shape"]["name"] not in again] + part["rows"]
+    write(out_dir, rows, meta)
 
 
 def environment():
@@ -356,6 +362,8 @@ def markdown(rows, meta):
     for r in rows:
         if r["shape"]["name"] not in shapes:
             shapes.append(r["shape"]["name"])
+    order = {shape.name: i for i, shape in enumerate(ALL_SHAPES)}
+    shapes.sort(key=lambda name: order.get(name, len(order)))
     for s in shapes:
         cells, med = [], {}
         for n in names:

@@ -60,14 +60,20 @@ def served_by(t: torch.Tensor) -> str:
     return "torch-chunked"
 
 
+_LAUNCHERS: dict = {}
+
+
 def implementation(path: str):
-    """The launcher module (``forward``/``backward``) for a path name."""
+    """The launcher module (``forward``/``backward``) for a path name (imported on first
+    use: importing Triton is slow, and the chunked path must work without it)."""
+    module = _LAUNCHERS.get(path)
+    if module is not None:
+        return module
     if path == "triton":
-        from .triton import launch
-
-        return launch
-    if path == "torch-chunked":
-        from . import chunked
-
-        return chunked
-    raise ValueError(f"no launcher for path {path!r}")
+        from .triton import launch as module
+    elif path == "torch-chunked":
+        from . import chunked as module
+    else:
+        raise ValueError(f"no launcher for path {path!r}")
+    _LAUNCHERS[path] = module
+    return module
