@@ -43,8 +43,10 @@ def main(out):
             rows_per_q, qpb, n_chunks = launch.row_blocking(lq, nq, True, launch.WIDE_BLOCK_M)
             for cfg in tuning._configs():
                 tuning._chosen.clear()
+                launch.clear_plans()  # the forward plans hold the blocking and the config
                 key = (rows_per_q, qpb, 128, False, False, torch.bfloat16)
                 tuning._chosen[key] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+                launch.clear_plans()
                 try:
                     ms = do_bench(lambda: launch.forward(Q, D, None, None, cross=True, normalize=False,  # noqa: E731
                                                          zero_mode=False, save_argmax=False), rep=100)
@@ -54,6 +56,7 @@ def main(out):
                 rows.append({"shape": name, "config": str(tuning._chosen[key]), "kernel_ms": ms})
                 print(f"   {tuning._chosen[key]}: launch.forward {ms * 1e3:.1f} us", flush=True)
             tuning._chosen.clear()
+            launch.clear_plans()  # the forward plans hold the blocking and the config
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -41,6 +41,7 @@ def main(out, train=False):
         for max_rows, target in VARIANTS:
             launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M, launch.WIDE_BLOCK_M = max_rows, target, target
             tuning._chosen.clear()
+            launch.clear_plans()  # the forward plans hold the blocking and the config
             fwd = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False,  # noqa: E731
                                          save_argmax=train)
             out_scores, arg = fwd()
@@ -56,6 +57,7 @@ def main(out, train=False):
             print(f"{name:28s} max_rows {max_rows:3d} target {target:3d} blocking {blocking}: {ms:8.3f} ms "
                   f"{flops / ms / 1e9:6.0f} TFLOP/s (diff {err:.1e})", flush=True)
         launch.MAX_ROWS_PER_Q, launch.TARGET_BLOCK_M, launch.WIDE_BLOCK_M = 128, 128, 256
+        launch.clear_plans()
         del Q, D
         torch.cuda.empty_cache()
     with open(out, "w") as f:
@@ -76,6 +78,7 @@ def epilogue(out):
             for running in (False, True):
                 launch.RUNNING_MAX = running
                 tuning._chosen.clear()  # each variant tunes its own config
+                launch.clear_plans()  # the forward plans hold the blocking and the config
                 fwd = lambda: launch.forward(a, b, None, None, cross=True, normalize=False, zero_mode=False,  # noqa: E731
                                              save_argmax=False, scales=scales)[0]
                 got = fwd()
@@ -88,6 +91,7 @@ def epilogue(out):
                 print(f"{name:28s} {dtype} running_max {running!s:5s}: {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
                       f"(diff {diff:.1e})", flush=True)
         launch.RUNNING_MAX = True
+        launch.clear_plans()
         del Q, D, q8, d8, inputs
         torch.cuda.empty_cache()
     with open(out, "w") as f:

@@ -44,3 +44,33 @@ def test_interpreter_launches_through_the_jit_and_keeps_no_plans(monkeypatch):
     ref = (Q.double() @ D.double().reshape(-1, 16).T).reshape(2, 5, 3, 7).amax(-1).sum(1)
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert direct._plans == {}
+
+
+def test_forward_plans_are_reused_per_geometry_and_stay_exact(monkeypatch):
+    from lik_plugins._config import triton_interpret
+
+    if not triton_interpret():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    import lik_plugins as lik
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    launch.clear_plans()
+    g = torch.Generator().manual_seed(0)
+    Q, D = torch.randn(2, 5, 16, generator=g), torch.randn(3, 7, 16, generator=g)
+    dm = torch.rand(3, 7, generator=g) > 0.3
+    with torch.no_grad():
+        first = lik.maxsim(Q, D, d_mask=dm)
+        assert len(launch._FORWARD_PLANS) == 1
+        again = lik.maxsim(Q.clone(), D.clone(), d_mask=dm.clone())      # same geometry: same plan
+        assert len(launch._FORWARD_PLANS) == 1 and torch.equal(first, again)
+        # a strided mask (a column view) and a transposed D change the strides: new plans, same scores
+        wide = torch.zeros(3, 14, dtype=torch.bool)
+        wide[:, ::2] = dm
+        strided = lik.maxsim(Q, D, d_mask=wide[:, ::2])
+        D_t = D.transpose(1, 2).contiguous().transpose(1, 2)
+        transposed = lik.maxsim(Q, D_t, d_mask=dm)
+        assert len(launch._FORWARD_PLANS) == 3
+        assert torch.equal(strided, first) and torch.allclose(transposed, first, rtol=1e-6, atol=1e-6)
+    launch.clear_plans()
+    assert launch._FORWARD_PLANS == {}

@@ -6,12 +6,15 @@ in a CUDA graph once the autotuner has seen the shape bucket.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
 from ..common import inverse_norms
 from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
 from .forward import maxsim_fwd_kernel
+from . import direct
 from .direct import launch
 from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
 
@@ -116,28 +119,84 @@ def row_blocking(lq: int, nq: int, cross: bool, block_m: int = TARGET_BLOCK_M) -
     return rows, qpb, cdiv(max(lq, 1), rows)
 
 
-def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, scales=None):
-    """Scores (and the argmax when ``save_argmax``).  ``scales = (q_scales [Nq, Lq],
-    d_scales [.., Ld])`` (fp32, contiguous) multiply every similarity by its two tokens'
-    scales -- the fp8 path's dequantisation; the kernel applies them exactly where it
-    applies inverse norms, so ``normalize`` must be off."""
+class _ForwardPlan(NamedTuple):
+    """Everything a forward launch needs but the tensors: see :func:`forward`."""
+    kernel: object
+    grid: tuple
+    ints: tuple            # the kernel's integer arguments, in order
+    meta: dict
+    out_shape: tuple       # scores, or per-row-chunk partial scores
+    n_chunks: int
+    arg_dtype: torch.dtype | None
+    empty: bool            # nothing to compute: zeros (and an argmax of -1)
+
+
+# Forward plans by the call's geometry (shapes, strides, dtype, device, mask and option
+# flags).  A repeated shape -- every training step of a fixed batch, every rerank of a
+# fixed candidate count -- skips the blocking, the tuner lookup and building the argument
+# list; with the direct launch that is what the launch-bound shapes cost on the host
+# (benchmarks/NOTES.md, v12).  Cleared with :func:`clear_plans` by whoever changes the
+# module's blocking constants.
+_FORWARD_PLANS: dict = {}
+
+
+def clear_plans() -> None:
+    """Forget the forward plans and the compiled-launch plans (after changing the blocking
+    constants above or the tuner's remembered configs)."""
+    _FORWARD_PLANS.clear()
+    direct.clear()
+
+
+def _plan_forward(Q, D, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm, rd_strides):
+    """(plan, after_launch): ``after_launch`` is not None while the autotuner still has to
+    run, and then the plan is for this call only."""
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
-    device = Q.device
     # the MMA's K is at least 16 (16-bit) or 32 (fp8) elements
     d_pad = max(32 if Q.element_size() == 1 else 16, next_pow2(dim))
     wide = Q.element_size() <= 2 and d_pad <= 128
     rows, qpb, n_chunks = row_blocking(lq, nq, cross, WIDE_BLOCK_M if wide else TARGET_BLOCK_M)
     n_qblocks = cdiv(nq, qpb)
     # one row chunk (Lq <= 128, the common case) writes the final scores directly
-    scores = torch.empty((nq, nj) if n_chunks == 1 else (n_chunks, nq, nj), dtype=torch.float32, device=device)
-    argmax = None
-    if save_argmax:
-        arg_dtype = torch.int16 if ld < 2**15 else torch.int32
-        argmax = torch.empty((nq, nj, lq), dtype=arg_dtype, device=device)
-    if scores.numel() == 0 or lq == 0:
-        return scores.new_zeros((nq, nj)), (argmax.fill_(-1) if argmax is not None else None)
+    out_shape = (nq, nj) if n_chunks == 1 else (n_chunks, nq, nj)
+    arg_dtype = (torch.int16 if ld < 2**15 else torch.int32) if save_argmax else None
+    if nq * nj == 0 or lq == 0:
+        return _ForwardPlan(None, (0,), (), {}, out_shape, n_chunks, arg_dtype, True), None
+    s_dmi, s_dmj, s_dmt = (0, 0, 0) if not has_dm else ((0, *s_dm) if cross else s_dm)
+    s_rdi, s_rdj = (0, 0) if not scaled else ((0, rd_strides[0]) if cross else rd_strides[:2])
+    s_qmi, s_qms = s_qm if has_qm else (0, 0)
+    running_max = RUNNING_MAX and not save_argmax and Q.element_size() == 1
+    kernel, meta, after_launch = forward_kernel_and_meta(
+        rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=Q.dtype, n_programs=nj * n_qblocks * n_chunks,
+        save_arg=save_argmax, running_max=running_max,
+    )
+    ints = (
+        nq, nj, lq, ld, dim,
+        Q.stride(0), Q.stride(1), Q.stride(2),
+        s_di, s_dj, s_dt, s_dh,
+        s_qmi, s_qms,
+        s_dmi, s_dmj, s_dmt,
+        s_rdi, s_rdj,
+        n_qblocks, n_chunks,
+    )
+    meta = dict(
+        HAS_QM=has_qm, HAS_DM=has_dm, ZERO_MODE=bool(zero_mode),
+        NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
+        ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
+        UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype),
+        RUNNING_MAX=running_max,
+        **meta,
+    )
+    grid = (nj * n_qblocks * n_chunks,)
+    return _ForwardPlan(kernel, grid, ints, meta, out_shape, n_chunks, arg_dtype, False), after_launch
 
+
+def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, scales=None):
+    """Scores (and the argmax when ``save_argmax``).  ``scales = (q_scales [Nq, Lq],
+    d_scales [.., Ld])`` (fp32, contiguous) multiply every similarity by its two tokens'
+    scales -- the fp8 path's dequantisation; the kernel applies them exactly where it
+    applies inverse norms, so ``normalize`` must be off."""
+    device = Q.device
     qm = _mask_bytes(q_mask, device)
     dm = _mask_bytes(d_mask, device)
     placeholder = _placeholder(device, torch.float32)
@@ -147,37 +206,35 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     else:
         rq = inverse_norms(Q) if normalize else placeholder
         rd = inverse_norms(D) if normalize else placeholder
-    scaled = normalize or scales is not None
-    s_dmi, s_dmj, s_dmt = (0, 0, 0) if d_mask is None else ((0, *dm.stride()) if cross else dm.stride())
-    s_rdi, s_rdj = _norm_strides(rd, cross, scaled)
-    s_qmi, s_qms = qm.stride() if q_mask is not None else (0, 0)
-
-    running_max = RUNNING_MAX and not save_argmax and Q.element_size() == 1
-    kernel, meta, after_launch = forward_kernel_and_meta(
-        rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=Q.dtype, n_programs=nj * n_qblocks * n_chunks,
-        save_arg=save_argmax, running_max=running_max,
-    )
-    grid = (nj * n_qblocks * n_chunks,)
-    launch(kernel, grid, (
-        Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else placeholder,
-        nq, nj, lq, ld, dim,
-        Q.stride(0), Q.stride(1), Q.stride(2),
-        s_di, s_dj, s_dt, s_dh,
-        s_qmi, s_qms,
-        s_dmi, s_dmj, s_dmt,
-        s_rdi, s_rdj,
-        n_qblocks, n_chunks,
-    ), dict(
-        HAS_QM=q_mask is not None, HAS_DM=d_mask is not None, ZERO_MODE=bool(zero_mode),
-        NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
-        ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
-        UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype),
-        RUNNING_MAX=running_max,
-        **meta,
-    ))
+    scaled = bool(normalize) or scales is not None
+    has_qm, has_dm = q_mask is not None, d_mask is not None
+    s_qm = qm.stride() if has_qm else None
+    s_dm = dm.stride() if has_dm else None
+    rd_strides = rd.stride() if scaled else None
+    key = (Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, device, cross, scaled, bool(zero_mode),
+           bool(save_argmax), s_qm, s_dm, rd_strides, rq.stride() if scaled else None)
+    plan = _FORWARD_PLANS.get(key)
+    after_launch = None
+    if plan is None:
+        plan, after_launch = _plan_forward(Q, D, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm,
+                                           rd_strides)
+        if after_launch is None:
+            if len(_FORWARD_PLANS) >= direct.MAX_PLANS:  # shapes that never repeat: start over
+                _FORWARD_PLANS.clear()
+            _FORWARD_PLANS[key] = plan
+    argmax = None
+    if save_argmax:
+        argmax = torch.empty((Q.shape[0], plan.out_shape[-1], Q.shape[1]), dtype=plan.arg_dtype, device=device)
+    if plan.empty:
+        return torch.zeros(plan.out_shape[-2:], dtype=torch.float32, device=device), \
+            (argmax.fill_(-1) if argmax is not None else None)
+    scores = torch.empty(plan.out_shape, dtype=torch.float32, device=device)
+    launch(plan.kernel, plan.grid,
+           (Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else placeholder, *plan.ints),
+           plan.meta, static_key=key if after_launch is None else None)
     if after_launch is not None:
         after_launch()
-    return (scores if n_chunks == 1 else scores.sum(0)), argmax
+    return (scores if plan.n_chunks == 1 else scores.sum(0)), argmax
 
 
 def _project_into(g32, X, inv_norm, out):
