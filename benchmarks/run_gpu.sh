@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
 if [[ $stage == tests || $stage == kernels || $stage == all ]]; then
-  timeout 420 python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  timeout 540 python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
   timeout 300 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_calls.py > "$OUT/memcheck.log" 2>&1
   tail -3 "$OUT/memcheck.log"
 fi
