@@ -16,7 +16,6 @@ dequantised fp32 tokens, so results never depend on the hardware beyond fp32 rou
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -24,9 +23,9 @@ import torch
 from . import _routing
 from ._config import disabled, forced_backend, triton_interpret
 from .kernels import reference
-from .kernels.dispatch import triton_available
+from .kernels.dispatch import capability, triton_available
 from .kernels.reference import FP8_DTYPE
-from .ops import _FLOAT_DTYPES, _check_mask, _check_options
+from .ops import _FLOAT_DTYPES, _check_geometry, _check_options
 
 __all__ = ["Fp8Tokens", "quantize_fp8", "maxsim_fp8"]
 
@@ -127,11 +126,6 @@ def _as_tokens(name: str, x, rank: tuple[int, ...]) -> Fp8Tokens:
     return Fp8Tokens(values, scales.contiguous())
 
 
-@functools.lru_cache(maxsize=None)
-def _fp8_matrix_units(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
 def served_by_fp8(values: torch.Tensor) -> str:
     """Path that scores fp8 tokens on ``values``' device now (see the module docstring)."""
     if disabled():
@@ -140,8 +134,7 @@ def served_by_fp8(values: torch.Tensor) -> str:
     if forced in ("torch-chunked", "reference"):
         return forced
     kernel_ok = triton_available() and (
-        (values.is_cuda and _fp8_matrix_units(values.device.index if values.device.index is not None
-                                              else torch.cuda.current_device()))
+        (values.is_cuda and capability(values.device.index) >= (8, 9))   # fp8 matrix units: Ada, Hopper
         or (values.device.type == "cpu" and triton_interpret())
     )
     if forced == "triton" and not kernel_ok:
@@ -173,17 +166,7 @@ def maxsim_fp8(
     _check_options("auto", mask_mode)
     q = _as_tokens("Q", Q, (3,))
     d = _as_tokens("D", D, (3, 4))
-    if q.device != d.device:
-        raise ValueError(f"Q is on {q.device} but D is on {d.device}; move both to one device")
-    nq, lq, dim = q.values.shape
-    if d.values.shape[-1] != dim:
-        raise ValueError(f"embedding dims differ: Q has d={dim}, D has d={d.values.shape[-1]}")
-    cross = d.values.dim() == 3
-    if not cross and d.values.shape[0] != nq:
-        raise ValueError(f"per-query candidates D [Nq, K, Ld, d] must have Nq={nq} like Q, "
-                         f"got D shape {tuple(d.values.shape)}")
-    q_mask = _check_mask("q_mask", q_mask, (nq, lq), q.device)
-    d_mask = _check_mask("d_mask", d_mask, tuple(d.values.shape[:-1]), d.device)
+    q_mask, d_mask, cross = _check_geometry(q.values, d.values, q_mask, d_mask)
 
     path = served_by_fp8(q.values)
     _routing.record("maxsim_fp8", path)

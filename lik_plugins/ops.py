@@ -60,25 +60,38 @@ def _prepare(Q, D, q_mask, d_mask, *, pairs: bool):
         _check_tensor("D", D, 3)
     else:
         _check_tensor("D", D, (3, 4))
-    if Q.device != D.device:
-        raise ValueError(f"Q is on {Q.device} but D is on {D.device}; move both to one device")
     if Q.dtype != D.dtype:
         raise TypeError(f"Q and D must have the same dtype, got {Q.dtype} and {D.dtype}")
+    if pairs:
+        if Q.device != D.device:
+            raise ValueError(f"Q is on {Q.device} but D is on {D.device}; move both to one device")
+        if Q.shape[-1] != D.shape[-1]:
+            raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, D has d={D.shape[-1]}")
+        if D.shape[0] != Q.shape[0]:
+            raise ValueError(f"maxsim_pairs needs one document per query: Q has B={Q.shape[0]}, D has B={D.shape[0]}")
+        q_mask = _check_mask("q_mask", q_mask, tuple(Q.shape[:2]), Q.device)
+        d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:2]), D.device)
+        return Q, D, q_mask, d_mask, False
+    q_mask, d_mask, cross = _check_geometry(Q, D, q_mask, d_mask)
+    return Q, D, q_mask, d_mask, cross
+
+
+def _check_geometry(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask):
+    """Device, embedding dim, per-query candidate count and masks of ``Q [Nq, Lq, d]``
+    against ``D [Nd, Ld, d]`` or ``[Nq, K, Ld, d]`` (token tensors of any dtype: the fp8
+    path checks its values with it too).  Returns ``(q_mask, d_mask, cross)``."""
+    if Q.device != D.device:
+        raise ValueError(f"Q is on {Q.device} but D is on {D.device}; move both to one device")
     if Q.shape[-1] != D.shape[-1]:
         raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, D has d={D.shape[-1]}")
     nq, lq = Q.shape[0], Q.shape[1]
-    q_mask = _check_mask("q_mask", q_mask, (nq, lq), Q.device)
-    if pairs:
-        if D.shape[0] != nq:
-            raise ValueError(f"maxsim_pairs needs one document per query: Q has B={nq}, D has B={D.shape[0]}")
-        d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:2]), D.device)
-        return Q, D, q_mask, d_mask, False
     if D.dim() == 4 and D.shape[0] != nq:
         raise ValueError(
             f"per-query candidates D [Nq, K, Ld, d] must have Nq={nq} like Q, got D shape {tuple(D.shape)}"
         )
+    q_mask = _check_mask("q_mask", q_mask, (nq, lq), Q.device)
     d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:-1]), D.device)
-    return Q, D, q_mask, d_mask, D.dim() == 3
+    return q_mask, d_mask, D.dim() == 3
 
 
 def _run(entry, Q, D, q_mask, d_mask, cross, *, normalize, backward, mask_mode, pairs=False):

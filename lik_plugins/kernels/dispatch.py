@@ -25,8 +25,13 @@ def triton_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(index: int | None) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index`` (None: the current one), cached per device."""
+    return _capability(index if index is not None else torch.cuda.current_device())
 
 
 def _triton_serves(t: torch.Tensor) -> tuple[bool, str]:
@@ -35,7 +40,7 @@ def _triton_serves(t: torch.Tensor) -> tuple[bool, str]:
     if t.dtype not in KERNEL_DTYPES:
         return False, f"the Triton kernels take fp16/bf16/fp32, got {t.dtype}"
     if t.is_cuda:
-        if _capability_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) < 8:
+        if capability(t.device.index)[0] < 8:
             return False, "the Triton kernels need compute capability 8.0 or newer"
         return True, ""
     if t.device.type == "cpu" and triton_interpret():

@@ -9,12 +9,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from ..common import inverse_norms
-from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
-from .forward import maxsim_fwd_kernel
 from . import direct
+from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
 from .direct import launch
 from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
 
