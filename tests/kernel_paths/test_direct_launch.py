@@ -74,3 +74,28 @@ def test_forward_plans_are_reused_per_geometry_and_stay_exact(monkeypatch):
         assert torch.equal(strided, first) and torch.allclose(transposed, first, rtol=1e-6, atol=1e-6)
     launch.clear_plans()
     assert launch._FORWARD_PLANS == {}
+
+
+def test_profiler_hooks_send_launches_through_the_jit(monkeypatch):
+    """A launch hook (a profiler's) must see every launch: replaying skips it, so any hook
+    in Triton's hook chains (or a plain callable on older releases) turns replay off."""
+    import triton
+
+    from lik_plugins.kernels.triton import direct
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        pytest.skip("this Triton has no knobs: replay is off anyway")
+
+    class Chain:  # the shape of triton.knobs.HookChain
+        def __init__(self, calls):
+            self.calls = calls
+
+    monkeypatch.setattr(runtime, "launch_enter_hook", Chain([]))
+    monkeypatch.setattr(runtime, "launch_exit_hook", Chain([]))
+    assert not direct._hooks_set()
+    monkeypatch.setattr(runtime, "launch_enter_hook", Chain([lambda *a: None]))
+    assert direct._hooks_set()
+    monkeypatch.setattr(runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(runtime, "launch_exit_hook", lambda *a: None)
+    assert direct._hooks_set()
