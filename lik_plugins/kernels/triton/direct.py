@@ -18,6 +18,8 @@ compiled binary from the JIT too, so replaying it is what the JIT would have lau
 The JIT path stays wherever replaying could differ from it: the interpreter, an
 autotuner (it launches its own choice), profiler launch hooks, a Triton without the
 launcher layout this was written for (``LIK_DIRECT_LAUNCH=0`` forces it as well).
+Switches that change the JIT's own cache key at run time (Triton's debug and
+instrumentation knobs) are not part of a plan: call :func:`clear` after flipping them.
 """
 from __future__ import annotations
 
