@@ -113,6 +113,9 @@ def main(out_dir):
             row["launch.forward"] = host_us(lambda: launch.forward(Q, D, None, None, cross=True, normalize=False,
                                                                    zero_mode=False, save_argmax=False))
             row.update(bare_launch(Q, D))
+            index = lik.quantize_fp8(D)   # the fp8 path as the benchmark runs it: index once, query per call
+            row["lik_plugins maxsim_fp8"] = host_us(lambda: lik.maxsim_fp8(Q, index))
+            row["quantize_fp8 (query)"] = host_us(lambda: lik.quantize_fp8(Q))
             row["torch.empty"] = host_us(lambda: torch.empty((nq, nd), device="cuda"))
             for peer, fn in peers().items():
                 row[peer] = host_us(lambda: fn(Q, D))  # noqa: B023
