@@ -59,11 +59,13 @@ def bare_launch(Q, D):
                 return go
         return Rec(), meta, after
 
+    launch.clear_plans()  # a cached forward plan would skip the tuner lookup recorded here
     tuning_fn, launch.forward_kernel_and_meta = launch.forward_kernel_and_meta, recording
     try:
         launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False, save_argmax=False)
     finally:
         launch.forward_kernel_and_meta = tuning_fn
+        launch.clear_plans()  # the plan just made holds the recording stand-in, not the kernel
     kernel, grid, args, kwargs = seen["kernel"], seen["grid"], seen["args"], seen["kwargs"]
     out = {"jit launch": host_us(lambda: kernel[grid](*args, **kwargs))}
     try:

@@ -62,18 +62,11 @@ def _prepare(Q, D, q_mask, d_mask, *, pairs: bool):
         _check_tensor("D", D, (3, 4))
     if Q.dtype != D.dtype:
         raise TypeError(f"Q and D must have the same dtype, got {Q.dtype} and {D.dtype}")
-    if pairs:
-        if Q.device != D.device:
-            raise ValueError(f"Q is on {Q.device} but D is on {D.device}; move both to one device")
-        if Q.shape[-1] != D.shape[-1]:
-            raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, D has d={D.shape[-1]}")
-        if D.shape[0] != Q.shape[0]:
-            raise ValueError(f"maxsim_pairs needs one document per query: Q has B={Q.shape[0]}, D has B={D.shape[0]}")
-        q_mask = _check_mask("q_mask", q_mask, tuple(Q.shape[:2]), Q.device)
-        d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:2]), D.device)
-        return Q, D, q_mask, d_mask, False
+    if pairs and D.shape[0] != Q.shape[0]:
+        raise ValueError(f"maxsim_pairs needs one document per query: Q has B={Q.shape[0]}, D has B={D.shape[0]}")
+    # pairs' D [B, Ld, d] and its mask [B, Ld] have the cross product's shapes
     q_mask, d_mask, cross = _check_geometry(Q, D, q_mask, d_mask)
-    return Q, D, q_mask, d_mask, cross
+    return Q, D, q_mask, d_mask, cross and not pairs
 
 
 def _check_geometry(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask):

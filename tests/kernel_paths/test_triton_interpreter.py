@@ -113,7 +113,7 @@ def split_gather(monkeypatch):
     monkeypatch.setattr(launch, "GATHER_SPLIT_MIN_STEPS", 1)
 
     def splits(nq, nj, lq, d):
-        n_split = launch._gather_blocking(nq, nj, lq, max(16, 1 << (d - 1).bit_length()))[3]
+        n_split = launch._gather_blocking(nq, nj, lq, max(16, launch.next_pow2(d)))[3]
         assert n_split > 1, "the shape no longer splits the gather: the test would not cover the partials"
 
     return splits

@@ -145,7 +145,7 @@ def clear_plans() -> None:
     direct.clear()
 
 
-def _plan_forward(Q, D, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm, rd_strides):
+def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm):
     """(plan, after_launch): ``after_launch`` is not None while the autotuner still has to
     run, and then the plan is for this call only."""
     nq, lq, dim = Q.shape
@@ -161,7 +161,7 @@ def _plan_forward(Q, D, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s
     if nq * nj == 0 or lq == 0:
         return _ForwardPlan(None, (0,), (), {}, out_shape, n_chunks, arg_dtype, True), None
     s_dmi, s_dmj, s_dmt = (0, 0, 0) if not has_dm else ((0, *s_dm) if cross else s_dm)
-    s_rdi, s_rdj = (0, 0) if not scaled else ((0, rd_strides[0]) if cross else rd_strides[:2])
+    s_rdi, s_rdj = _norm_strides(rd, cross, scaled)
     s_qmi, s_qms = s_qm if has_qm else (0, 0)
     running_max = RUNNING_MAX and not save_argmax and Q.element_size() == 1
     kernel, meta, after_launch = forward_kernel_and_meta(
@@ -208,14 +208,14 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     has_qm, has_dm = q_mask is not None, d_mask is not None
     s_qm = qm.stride() if has_qm else None
     s_dm = dm.stride() if has_dm else None
-    rd_strides = rd.stride() if scaled else None
+    # the kernel reads RQ as [Nq, Lq] contiguous and RD through its strides
     key = (Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, device, cross, scaled, bool(zero_mode),
-           bool(save_argmax), s_qm, s_dm, rd_strides, rq.stride() if scaled else None)
+           bool(save_argmax), s_qm, s_dm, rd.stride() if scaled else None)
     plan = _FORWARD_PLANS.get(key)
     after_launch = None
     if plan is None:
-        plan, after_launch = _plan_forward(Q, D, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm,
-                                           rd_strides)
+        plan, after_launch = _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm,
+                                           s_dm)
         if after_launch is None:
             if len(_FORWARD_PLANS) >= direct.MAX_PLANS:  # shapes that never repeat: start over
                 _FORWARD_PLANS.clear()
