@@ -149,8 +149,12 @@ def main(out_dir):
             profiles.append(f"## {name}: train step x200, by own time\n{s.getvalue()}")
         rows.append(row)
         print(json.dumps(row), flush=True)
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "command": " ".join(sys.argv)}
     with open(f"{out_dir}/probe_host.json", "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(f"{out_dir}/probe_host_profile.txt", "w") as f:
         f.write("\n".join(profiles))
 
