@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, ".")
 import lik_plugins as lik  # noqa: E402
 from lik_plugins.kernels.triton import launch  # noqa: E402
+from lik_plugins import fp8  # noqa: E402
 
 SHAPES = [("small 8x8 Lq32 Ld256", 8, 8, 32, 256), ("rerank 1x1000 Lq32 Ld300", 1, 1000, 32, 300)]
 
@@ -129,6 +130,16 @@ def main(out_dir):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
         profiles.append(f"## {name}: lik.maxsim x500, by own time\n{s.getvalue()}")
+        with torch.no_grad():
+            row["fp8 query quantisation alone"] = host_us(lambda: fp8._quantize(Q))
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(500):
+                lik.maxsim_fp8(Q, index)
+            prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+        profiles.append(f"## {name}: lik.maxsim_fp8 x500, by cumulative time\n{s.getvalue()}")
         if nq * nd <= 64:
             Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
             g = torch.randn(nq, nd, device="cuda")

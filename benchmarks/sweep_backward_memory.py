@@ -2,7 +2,7 @@
 
 ``unified`` with its fp32 buffer capped at 64 / 16 / 4 MiB (``launch.UNIFIED_BUFFER_BYTES``:
 above the cap the documents are scattered slab by slab from the host) and ``lowmem``
-(destination-owned, no fp32 buffer), measured as ``bench_kernels.py`` measures a training
+(destination-owned, no fp32 buffer) and the one-launch ring at 32 / 16 slabs, measured as ``bench_kernels.py`` measures a training
 step (median over rotating inputs; peak above the inputs, gradients included).
 
 Shapes: every cross-product training shape of the benchmark (in-batch and the small 8x8).
@@ -25,10 +25,12 @@ from lik_plugins.kernels import chunked  # noqa: E402
 from lik_plugins.kernels.triton import launch  # noqa: E402
 
 VARIANTS = [("unified 64MiB", "unified", 64 << 20), ("unified 16MiB", "unified", 16 << 20),
-            ("unified 4MiB", "unified", 4 << 20), ("lowmem", "lowmem", None)]
+            ("unified 4MiB", "unified", 4 << 20), ("lowmem", "lowmem", None),
+            ("ring 32 slabs", "ring", 32), ("ring 16 slabs", "ring", 16)]
 
 
 def main(out, only=""):
+    ring_default = (launch.RING_ENABLED, launch.RING_SLABS)
     rows = []
     for shape in [s for s in ALL_SHAPES if s.kind == "train" and s.layout == "cross" and only in s.name]:
         n_sets = max(1, min(8, math.ceil(120e6 / ((shape.nq * shape.lq + shape.nj * shape.ld) * 128 * 2 * 3))))
@@ -41,11 +43,16 @@ def main(out, only=""):
                                        cross=True, normalize=False, zero_mode=False, save_argmax=False)
         for name, strategy, cap in VARIANTS:
             def step(Q, D, layout, strategy=strategy, cap=cap):
+                if strategy == "ring":  # unified through the one-launch ring with `cap` slabs
+                    launch.RING_ENABLED, launch.RING_SLABS = True, cap
+                    return lik.maxsim(Q, D, backward="unified")
+                launch.RING_ENABLED = False
                 if cap is not None:
                     launch.UNIFIED_BUFFER_BYTES = cap
                 return lik.maxsim(Q, D, backward=strategy)
             ms, peak, err = bench_one(step, shape, sets, ref32, 30)
             launch.UNIFIED_BUFFER_BYTES = 64 << 20
+            launch.RING_ENABLED, launch.RING_SLABS = ring_default
             rows.append({"shape": shape.name, "variant": name, "ms": ms, "peak_mib": peak / 2**20, "err": err})
             print(f"{shape.name:24s} {name:14s} {ms:8.3f} ms  peak {peak / 2**20:7.1f} MiB  err {err:.1e}", flush=True)
         del sets

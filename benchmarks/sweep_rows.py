@@ -11,7 +11,11 @@ shapes instead, at 128 and 256 rows per program (``TARGET_BLOCK_M``), arg-maxes 
 With ``--epilogue`` it times the inference forward, bf16 and fp8, with the per-tile
 row reduction against the elementwise running max (``launch.RUNNING_MAX``).
 
-Usage: python benchmarks/sweep_rows.py OUT_JSON [--train | --epilogue]
+With ``--argmax`` it times the training forward on the in-batch training shapes with the
+per-tile argmax against the elementwise running max and tile offset
+(``launch.RUNNING_ARGMAX``); scores and winners must be identical.
+
+Usage: python benchmarks/sweep_rows.py OUT_JSON [--train | --epilogue | --argmax]
 """
 from __future__ import annotations
 
@@ -98,7 +102,39 @@ def epilogue(out):
         json.dump(rows, f, indent=1)
 
 
+def argmax_epilogue(out):
+    rows = []
+    for name, nq, nd, lq, ld in TRAIN_SHAPES:
+        Q = torch.nn.functional.normalize(torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
+        D = torch.nn.functional.normalize(torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
+        ref = None
+        for running in (False, True):
+            launch.RUNNING_ARGMAX = running
+            tuning._chosen.clear()  # each variant tunes its own config
+            launch.clear_plans()
+            fwd = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False,  # noqa: E731
+                                         save_argmax=True)
+            scores, arg = fwd()
+            ref = (scores, arg) if ref is None else ref
+            same = bool(torch.equal(scores, ref[0]) and torch.equal(arg, ref[1]))
+            ms = do_bench(fwd, rep=200)
+            flops = 2 * nq * nd * lq * ld * 128
+            rows.append({"shape": name, "running_argmax": running, "ms": ms, "tflops": flops / ms / 1e9,
+                         "identical_to_per_tile": same, "config": dict(tuning._chosen)})
+            print(f"{name:14s} running_argmax {running!s:5s}: {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
+                  f"identical {same}", flush=True)
+        launch.RUNNING_ARGMAX = True
+        launch.clear_plans()
+        del Q, D
+        torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+
+
 if __name__ == "__main__":
+    if "--argmax" in sys.argv[2:]:
+        argmax_epilogue(sys.argv[1])
+        sys.exit()
     if "--epilogue" in sys.argv[2:]:
         epilogue(sys.argv[1])
         sys.exit()

@@ -278,9 +278,21 @@ def test_no_argmax_under_no_grad(gen, monkeypatch):
     assert seen[0][1].shape == (2, 2, 4)
 
 
+@pytest.fixture(params=["running", "per-tile"])
+def argmax_epilogue(request, monkeypatch):
+    """Both ways the forward finds its winners: an elementwise running max with the tile of
+    each element's max, reduced once (``launch.RUNNING_ARGMAX``), or a reduction per tile."""
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setattr(launch, "RUNNING_ARGMAX", request.param == "running")
+    launch.clear_plans()  # a cached forward plan holds the epilogue it was made with
+    yield request.param
+    launch.clear_plans()
+
+
 @pytest.mark.parametrize("mask_mode", MASK_MODES)
 @pytest.mark.parametrize("layout", ["cross", "kd"])
-def test_saved_argmax_and_sentinel(gen, layout, mask_mode):
+def test_saved_argmax_and_sentinel(gen, layout, mask_mode, argmax_epilogue):
     """The launcher's argmax: the winner for rows with a valid winner, -1 otherwise
     (masked query token, fully masked document, masked 0 winning in zero mode)."""
     from lik_plugins.kernels.triton import launch
@@ -299,7 +311,7 @@ def test_saved_argmax_and_sentinel(gen, layout, mask_mode):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_nan_in_query_propagates_without_crash(gen):
+def test_nan_in_query_propagates_without_crash(gen, argmax_epilogue):
     Q, D, qm, dm = make_inputs(gen, "cross", 3, 4, 5, 9, 16, special_rows=False)
     qm[0, 1] = True
     Q[0, 1, 3] = float("nan")
@@ -335,7 +347,7 @@ def test_float64_is_refused_with_a_reason(gen):
 
 @pytest.mark.parametrize("backward", ["lowmem", "unified"])
 @pytest.mark.parametrize("layout", ["cross", "kd"])
-def test_exact_ties_go_to_the_lowest_index(gen, layout, backward):
+def test_exact_ties_go_to_the_lowest_index(gen, layout, backward, argmax_epilogue):
     """Token 3 of document 0 is copied to 67 (same column of the next BLOCK_N=64 tile) and
     to 10 (same tile): the argmax and the gradient must pick token 3."""
     from lik_plugins.kernels.triton import launch

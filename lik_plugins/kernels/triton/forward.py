@@ -81,10 +81,15 @@ def maxsim_fwd_kernel(
     b_arg = tl.zeros([BLOCK_M], tl.int32)
     b_floor = tl.full([BLOCK_M], float("-inf"), tl.float32)   # 0 once a masked doc token competes
     if RUNNING_MAX:
-        # Without an argmax, keep an elementwise max over the tiles in the accumulator's own
-        # layout and reduce across columns (shuffles between threads) once, at the end
-        # (the launcher turns it on where it measured faster: fp8).
+        # Keep an elementwise max over the tiles in the accumulator's own layout and reduce
+        # across columns (shuffles between threads) once, at the end, instead of per tile.
+        # With SAVE_ARG each element also remembers the first tile (its offset) that
+        # reached it: strictly greater takes over, so on ties the earliest tile stays, and
+        # the final reduction takes the lowest column among the maxima -- the same winner
+        # as the per-tile epilogue.  (The launcher turns it on where it measured faster.)
         b_run = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+        if SAVE_ARG:
+            b_run_n0 = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     for n0 in range(0, ld, BLOCK_N):
         o_t = n0 + o_n
         m_col = o_t < ld
@@ -121,6 +126,8 @@ def maxsim_fwd_kernel(
             # of the 2-3 CUDA-core operations per similarity that bound the fp8 forward
             b_s = tl.where(m_col[None, :], b_s, float("-inf"))
         if RUNNING_MAX:
+            if SAVE_ARG:
+                b_run_n0 = tl.where(b_s > b_run, n0, b_run_n0)
             b_run = _max_nan(b_run, b_s)
         else:
             b_tile = tl.reduce(b_s, 1, _max_nan)                                        # [BM]
@@ -131,6 +138,10 @@ def maxsim_fwd_kernel(
             b_max = _max_nan(b_max, b_tile)
     if RUNNING_MAX:
         b_max = tl.reduce(b_run, 1, _max_nan)
+        if SAVE_ARG:
+            # a NaN row matches no column: it keeps no winner (-1 below), so its gradient is 0
+            b_arg = tl.min(tl.where(b_run == b_max[:, None], b_run_n0 + o_n[None, :], 2147483647), axis=1)
+            b_arg = tl.where(b_arg == 2147483647, -1, b_arg)
 
     if NORMALIZE:
         b_rq = tl.load(RQ + q_idx.to(tl.int64) * lq + t_idx, mask=m_row, other=1.0)

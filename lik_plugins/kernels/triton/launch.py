@@ -63,6 +63,10 @@ RING_ENABLED = False
 # fp8 11-17 % faster on every shape of sweep_rows.py --epilogue, and bf16 9-18 % slower
 # (its 64 more registers per thread cost more than the shuffles they save there).
 RUNNING_MAX = True
+# The training forward (argmax saved): the same elementwise running max, plus the offset of
+# the tile each element's max came from, so the per-tile work is a compare, a select and a
+# max instead of two cross-column reductions (max, then the lowest winning column).
+RUNNING_ARGMAX = True
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -163,7 +167,7 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     s_dmi, s_dmj, s_dmt = (0, 0, 0) if not has_dm else ((0, *s_dm) if cross else s_dm)
     s_rdi, s_rdj = _norm_strides(rd, cross, scaled)
     s_qmi, s_qms = s_qm if has_qm else (0, 0)
-    running_max = RUNNING_MAX and not save_argmax and Q.element_size() == 1
+    running_max = RUNNING_ARGMAX if save_argmax else (RUNNING_MAX and Q.element_size() == 1)
     kernel, meta, after_launch = forward_kernel_and_meta(
         rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=Q.dtype, n_programs=nj * n_qblocks * n_chunks,
         save_arg=save_argmax, running_max=running_max,
@@ -351,7 +355,7 @@ def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize, d_pad):
     sync = torch.zeros(n_slabs, dtype=torch.int32, device=device)
     args = (
         grad, Q, D, rq, rd, argmax, grad_q if need_q else grad_d, grad_d, slots, sync,
-        nq, nj, lq, ld, dim,
+        nq, nj, lq, ld, dim, dim,
         grad.stride(0), grad.stride(1),
         Q.stride(0), Q.stride(1), Q.stride(2),
         D.stride(0), D.stride(1), D.stride(2),
