@@ -1,12 +1,13 @@
 """The ring backward's intermittent wrong grad_D (NOTES v11-v13): vector vs scalar atomics.
 
-Hypothesis (confirmed on an H100 in session 7: vector 2 of 6 runs wrong, scalar 0 of 6):
-Hopper's vector atomics (``atom.add.v4.f32``) in the scatter are not all performed when the
-grid barrier's release lets other programs read the slot.  The shipped kernel leaves its
-scatter pitch unspecialised, so the compiler cannot prove 16-element alignment and emits
-one-element atomics; the "vector" variant is the same kernel with the pitch specialised
-(as the one-pass gather kernel is).  Each trial compares the ring's grad_D with lowmem's
-(deterministic, tested) on the shape that failed 5 of 6 runs.
+Hypothesis of session 6: Hopper's vector atomics (``atom.add.v4.f32``) in the scatter are
+not all performed when the grid barrier's release lets other programs read the slot.
+The "scalar" variant is the same kernel with the pitch of the scatter (``dim``) left
+unspecialised, so the compiler cannot prove 16-element alignment and emits one-element
+atomics.  Each trial compares the ring's grad_D with lowmem's (deterministic, tested) on
+the shape that failed 5 of 6 runs.  Measured on an H100 (session 7,
+results/h100/probe_ring*.json): vector 2 of 6 wrong, then scalar 0 of 6, then scalar 4 of
+10 -- the hypothesis is refuted, and the scalar ring was also slower than lowmem.
 
 Usage: python benchmarks/probe_ring.py OUT_JSON [TRIALS] [scalar|vector|both]
 """
@@ -22,9 +23,9 @@ sys.path.insert(0, ".")
 import lik_plugins as lik  # noqa: E402
 from lik_plugins.kernels.triton import backward, launch  # noqa: E402
 
-SCALAR = backward.maxsim_bwd_ring_kernel
-VECTOR = triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "slab", "n_slabs", "n_programs",
-                                       "rows_per_program"])(SCALAR.fn)
+VECTOR = backward.maxsim_bwd_ring_kernel
+SCALAR = triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "slab", "n_slabs", "n_programs",
+                                       "rows_per_program", "dim"])(VECTOR.fn)
 
 
 def main(out, trials=6, which="both"):

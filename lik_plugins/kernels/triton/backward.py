@@ -61,16 +61,14 @@ def _gather_walk(
     s_gi, s_gj,
     s_di, s_dj, s_dt, s_dh,
     s_rdi, s_rdj,
-    s_gdi, s_gdj, s_ai, gd_j0, gd_pitch,
+    s_gdi, s_gdj, s_ai, gd_j0,
     NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_J: tl.constexpr, D_PAD: tl.constexpr,
 ):
     # BLOCK_J documents per step: BLOCK_J * BLOCK_S independent row gathers in flight,
     # instead of one dependent (argmax -> row) load chain per document.  grad_Q
     # accumulates in ``b_acc``; with SCATTER_D, ``g * q`` goes to GD32 (document ``j`` at
-    # ``j - gd_j0``, rows ``gd_pitch`` elements apart) with relaxed atomics: 16-byte vector
-    # atomics when the compiler can prove the pitch a multiple of 16 elements, one element
-    # per atomic when it cannot (the ring needs those: see maxsim_bwd_ring_kernel).
+    # ``j - gd_j0``) with relaxed atomics.
     o_h = tl.arange(0, D_PAD)
     o_j = tl.arange(0, BLOCK_J)
     for j0 in range(j_lo, j_hi, BLOCK_J):
@@ -92,7 +90,7 @@ def _gather_walk(
             b_acc += tl.sum(b_d * b_w[:, :, None], axis=0)
         if SCATTER_D:
             p_gd = GD32 + i_q * s_gdi + (o_jj - gd_j0)[:, None, None].to(tl.int64) * s_gdj \
-                + b_a[:, :, None] * gd_pitch + o_h[None, None, :]
+                + b_a[:, :, None] * dim + o_h[None, None, :]
             tl.atomic_add(p_gd, b_qs[None, :, :] * b_g[:, None, None], mask=m_ah, sem="relaxed")  # fire-and-forget red
     return b_acc
 
@@ -128,7 +126,7 @@ def _gather_body(
     j_lo = i_split * j_per_split
     b_acc = _gather_walk(
         tl.zeros([BLOCK_S, D_PAD], tl.float32), i_q, o_s, m_s, m_h, b_qs, j_lo, tl.minimum(j_lo + j_per_split, n_j),
-        G, D, RD, ARG, GD32, lq, dim, s_gi, s_gj, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_gdi, s_gdj, s_ai, 0, dim,
+        G, D, RD, ARG, GD32, lq, dim, s_gi, s_gj, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_gdi, s_gdj, s_ai, 0,
         NEED_Q, SCATTER_D, NORMALIZE, BLOCK_J, D_PAD,
     )
     if NEED_Q:
@@ -383,17 +381,10 @@ def maxsim_bwd_winners_kernel(
         )
 
 
-# ``scatter_pitch`` (== dim) is not specialised, so the scatter compiles to one-element
-# atomics (``atom.add.f32``), not Hopper's 16-byte ``atom.add.v4.f32``: on an H100 the
-# vector atomics were not all performed when the grid barrier's release let the other
-# programs read the slot (wrong grad_D in 2 of 6 runs, 0 of 6 with scalar atomics on the
-# same shape; benchmarks/probe_ring.py, NOTES v13), although the PTX memory model orders
-# them like scalar ones.
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "slab", "n_slabs", "n_programs", "rows_per_program",
-                               "scatter_pitch"])
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "slab", "n_slabs", "n_programs", "rows_per_program"])
 def maxsim_bwd_ring_kernel(
     G, Q, D, RQ, RD, ARG, GQ, GD, SLOTS, SYNC,
-    n_q, n_j, lq, ld, dim, scatter_pitch,
+    n_q, n_j, lq, ld, dim,
     s_gi, s_gj,
     s_qi, s_qs, s_qh,
     s_dj, s_dt, s_dh,
@@ -425,8 +416,7 @@ def maxsim_bwd_ring_kernel(
         p_slot = SLOTS + (i_slab % 2) * slot_elems
         b_acc = _gather_walk(
             b_acc, i_q, o_s, m_s, m_h, b_qs, j_lo, j_hi,
-            G, D, RD, ARG, p_slot, lq, dim, s_gi, s_gj, 0, s_dj, s_dt, s_dh, 0, s_rdj, 0, ld * scatter_pitch, s_ai, j_lo,
-            scatter_pitch,
+            G, D, RD, ARG, p_slot, lq, dim, s_gi, s_gj, 0, s_dj, s_dt, s_dh, 0, s_rdj, 0, ld * dim, s_ai, j_lo,
             NEED_Q, True, NORMALIZE, BLOCK_J, D_PAD,
         )
         _grid_arrive_and_wait(SYNC, i_slab, n_programs)
