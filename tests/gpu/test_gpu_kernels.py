@@ -239,6 +239,30 @@ def test_fp8_non_finite_query_poisons_its_scores():
     assert scores[0].isfinite().all() and scores[1:].isnan().all()
 
 
+@pytest.mark.parametrize("case", [
+    dict(nq=8, nj=8, lq=32, ld=256, kd=False),
+    dict(nq=64, nj=64, lq=32, ld=1030, kd=False),               # ColPali-like: many tiles, a tuned config
+    dict(nq=3, nj=17, lq=33, ld=70, kd=False, mode="zero"),     # ragged, row chunks of 64, zero mode
+    dict(nq=4, nj=5, lq=130, ld=100, kd=True),                  # candidates, row chunks
+], ids=["small", "colpali", "ragged-zero", "kd"])
+def test_running_argmax_epilogue_gives_the_same_winners(monkeypatch, case):
+    """launch.RUNNING_ARGMAX (elementwise running max + tile offset, one reduction at the
+    end) against the per-tile reduction: identical scores and argmax, masks and ties
+    included (integer-valued bf16 tokens make exact ties common)."""
+    nq, nj, lq, ld, kd = case["nq"], case["nj"], case["lq"], case["ld"], case["kd"]
+    Q, D, qm, dm = _inputs(nq, nj, lq, ld, 128, torch.bfloat16, kd)
+    Q, D = Q.mul(2).round(), D.mul(2).round()
+    got = {}
+    for running in (False, True):
+        monkeypatch.setattr(launch, "RUNNING_ARGMAX", running)
+        launch.clear_plans()
+        got[running] = launch.forward(Q, D, qm, dm, cross=not kd, normalize=False,
+                                      zero_mode=case.get("mode") == "zero", save_argmax=True)
+    launch.clear_plans()
+    assert torch.equal(got[True][0], got[False][0])
+    assert torch.equal(got[True][1], got[False][1])
+
+
 # ------------------------------------------------------------------ direct launches
 def _deterministic_step(Q, D, qm, dm, **kw):
     q, d = Q.detach().requires_grad_(), D.detach().requires_grad_()  # same memory, same alignment

@@ -64,10 +64,15 @@ RING_ENABLED = False
 # fp8 11-17 % faster on every shape of sweep_rows.py --epilogue, and bf16 9-18 % slower
 # (its 64 more registers per thread cost more than the shuffles they save there).
 RUNNING_MAX = True
-# The training forward (argmax saved): the same elementwise running max, plus the offset of
-# the tile each element's max came from, so the per-tile work is a compare, a select and a
-# max instead of two cross-column reductions (max, then the lowest winning column).
-RUNNING_ARGMAX = True
+# The training forward (argmax saved) can do the same: an elementwise running max plus the
+# offset of the tile each element's max came from, so the per-tile work is a compare, a
+# select and a max instead of two cross-column reductions (max, then the lowest winning
+# column).  Same scores and winners bit for bit; OFF because on an H100 (each variant tuned
+# on its own, NOTES v13, results/h100/sweep_running_argmax.json) its two extra register
+# tiles cost more than the reductions they save where documents are short: ColBERT 256
+# 0.330 -> 0.362 ms, ColBERT 1024 5.08 -> 5.67; ColPali 64 0.083 -> 0.078, ColPali 256
+# 1.169 -> 1.160 (Ld 1030: more tiles per program).
+RUNNING_ARGMAX = False
 
 
 def _precision(dtype: torch.dtype) -> str:
