@@ -96,7 +96,9 @@ def quantize_fp8(x: torch.Tensor, *, normalize: bool = False) -> Fp8Tokens:
         return _quantize(x)
 
 
-def _as_tokens(name: str, x, rank: tuple[int, ...]) -> Fp8Tokens:
+def _as_tokens(name: str, x, rank: tuple[int, ...], quantize: bool = True):
+    """``x`` checked, as :class:`Fp8Tokens` -- or, for a float tensor with ``quantize=False``,
+    the checked tensor itself (the kernel quantises it)."""
     if isinstance(x, torch.Tensor):
         _check_source(name, x)
         if x.dim() not in rank:
@@ -106,6 +108,8 @@ def _as_tokens(name: str, x, rank: tuple[int, ...]) -> Fp8Tokens:
                 f"maxsim_fp8 is inference-only and {name} requires grad; train with lik_plugins.maxsim, "
                 "or call maxsim_fp8 under torch.no_grad()"
             )
+        if not quantize:
+            return x
         with torch.no_grad():
             # unchecked: a non-finite query gives NaN scores, as in lik_plugins.maxsim
             return _quantize(x)
@@ -164,11 +168,17 @@ def maxsim_fp8(
         float32 scores of the dequantised tokens (``reference.maxsim_fp8``).
     """
     _check_options("auto", mask_mode)
-    q = _as_tokens("Q", Q, (3,))
     d = _as_tokens("D", D, (3, 4))
-    q_mask, d_mask, cross = _check_geometry(q.values, d.values, q_mask, d_mask)
+    path = served_by_fp8(d.values)
+    # A float query on the kernel path is quantised inside the scoring kernel (one launch
+    # instead of two, the same bits: kernels/triton/forward.py QUANT_Q) -- on a GPU, for
+    # embeddings up to 256 wide.  The interpreter keeps the separate quantisation: it casts
+    # fp32 to e4m3 wrongly (see kernels/triton/quantize.py).
+    fused = (path == "triton" and isinstance(Q, torch.Tensor) and not triton_interpret()
+             and 0 < Q.shape[-1] <= 256)
+    q = _as_tokens("Q", Q, (3,), quantize=not fused)
+    q_mask, d_mask, cross = _check_geometry(q if fused else q.values, d.values, q_mask, d_mask)
 
-    path = served_by_fp8(q.values)
     _routing.record("maxsim_fp8", path)
     with torch.no_grad():
         if path == "reference":
@@ -176,9 +186,9 @@ def maxsim_fp8(
         if path == "triton":
             from .kernels.triton import launch
 
-            scores, _ = launch.forward(q.values, d.values, q_mask, d_mask, cross=cross, normalize=False,
-                                       zero_mode=mask_mode == "zero", save_argmax=False,
-                                       scales=(q.scales, d.scales))
+            scores, _ = launch.forward(q if fused else q.values, d.values, q_mask, d_mask, cross=cross,
+                                       normalize=False, zero_mode=mask_mode == "zero", save_argmax=False,
+                                       scales=(None if fused else q.scales, d.scales))
             return scores
         # No fp8 matrix units here: the same numbers from the dequantised tokens, with the
         # bounded-memory path (it materialises fp32 tokens, 4x the fp8 bytes).

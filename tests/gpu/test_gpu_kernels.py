@@ -220,6 +220,34 @@ def test_fp8_kernel_equals_the_specification(shape, mode):
     assert _rel(out, spec) < 3e-4
 
 
+@pytest.mark.parametrize("shape", [
+    (64, 512, 32, 256, 128, False),    # search: 256-row programs, autotuned
+    (2, 64, 300, 200, 128, False),     # long queries: row chunks
+    (16, 8, 32, 180, 96, True),        # per-query candidates, d not a power of two
+    (3, 5, 32, 70, 200, False),        # d = 200: a 256-wide K tile
+    (5, 7, 8, 20, 16, False),          # d = 16: padded to the fp8 MMA's K of 32
+], ids=["search", "long-query", "kd", "wide", "tiny-d"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fp8_fused_query_quantisation_is_bitwise_the_two_launch_path(monkeypatch, shape, dtype):
+    """A float query is quantised inside the scoring kernel (QUANT_Q): the same scores, bit
+    for bit, as quantising it first -- a NaN token included -- and no separate launch."""
+    nq, nj, lq, ld, d, kd = shape
+    Q, D, qm, dm = _inputs(nq, nj, lq, ld, d, dtype, kd)
+    Q[0, 1, 2] = float("nan")
+    qm[0, 1] = True
+    index = lik.quantize_fp8(D)
+    two_launches = lik.maxsim_fp8(lik.quantize_fp8(Q), index, qm, dm)
+    from lik_plugins import fp8
+
+    def no_separate_quantisation(x):
+        raise AssertionError("the query was quantised outside the scoring kernel")
+
+    monkeypatch.setattr(fp8, "_quantize", no_separate_quantisation)
+    fused = lik.maxsim_fp8(Q, index, qm, dm)
+    assert fused[0].isnan().all() and not fused[1:].isnan().any()
+    assert torch.equal(fused.nan_to_num(), two_launches.nan_to_num())
+
+
 def test_fp8_quantize_kernel_is_bitwise_the_specification():
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(64, 300, 128, device="cuda", generator=g) * torch.logspace(-4, 4, 300, device="cuda")[None, :, None]

@@ -26,6 +26,22 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+@triton.jit
+def quantize_e4m3_rows(x, FP8_LIMIT: tl.constexpr):
+    """Per-row e4m3 quantisation of fp32 rows ``x [R, DP]`` (zero padding): (values scaled
+    into +-FP8_LIMIT as fp32, scale per row), the numbers of ``reference.quantize_fp8`` bit
+    for bit -- round-to-nearest divisions (Triton's plain ``/`` is approximate on NVIDIA
+    GPUs), and a clamp that keeps NaN.  A NaN row keeps scale 1 and NaN values, so its
+    scores are NaN.  The caller casts the values to e4m3 (round to nearest even)."""
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_LIMIT), 1.0)
+    y = tl.math.div_rn(x, scale[:, None])
+    # clamp as torch.clamp does: NaN stays NaN (a plain min/max would clamp it to +-448)
+    y = tl.minimum(tl.maximum(y, -FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL), FP8_LIMIT,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return y, scale
+
+
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks"])
 def maxsim_fwd_kernel(
     Q, D, QM, DM, RQ, RD, OUT, ARG,
@@ -44,6 +60,10 @@ def maxsim_fwd_kernel(
     ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, RUNNING_MAX: tl.constexpr = False,
+    # QUANT_Q: ``Q`` holds float query tokens and ``D`` e4m3 values; each program quantises
+    # its query rows as ``quantize_e4m3_rows`` does (the fp8 path's query side, fused: one
+    # launch instead of two) and uses their scales where RQ's would go.  Needs BLOCK_K == D_PAD.
+    QUANT_Q: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0,
 ):
     BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
     pid = tl.program_id(0)
@@ -76,6 +96,9 @@ def maxsim_fwd_kernel(
         b_q = tl.load(p_q[:, None] + o_k[None, :] * s_qh, mask=m_row[:, None] & (o_k[None, :] < dim), other=0.0)
         if UPCAST:
             b_q = b_q.to(tl.float32)
+        if QUANT_Q:
+            b_qv, b_qscale = quantize_e4m3_rows(b_q.to(tl.float32), FP8_LIMIT)
+            b_q = b_qv.to(D.dtype.element_ty)
 
     b_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_arg = tl.zeros([BLOCK_M], tl.int32)
@@ -144,7 +167,10 @@ def maxsim_fwd_kernel(
             b_arg = tl.where(b_arg == 2147483647, -1, b_arg)
 
     if NORMALIZE:
-        b_rq = tl.load(RQ + q_idx.to(tl.int64) * lq + t_idx, mask=m_row, other=1.0)
+        if QUANT_Q:
+            b_rq = b_qscale
+        else:
+            b_rq = tl.load(RQ + q_idx.to(tl.int64) * lq + t_idx, mask=m_row, other=1.0)
         b_max = b_max * b_rq      # 1/||q|| > 0 commutes with the max
     # A row scores its max if a valid token won (a masked 0 loses ties); NaN stays NaN.
     m_win = ((b_max > float("-inf")) & (b_max >= b_floor)) | (b_max != b_max)

@@ -14,7 +14,7 @@ from ..common import inverse_norms
 from . import direct
 from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
 from .direct import launch
-from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, next_pow2
+from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2
 
 # Lq above this is split into row chunks of this many tokens (exact: partial sums).
 MAX_ROWS_PER_Q = 128
@@ -160,9 +160,13 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     run, and then the plan is for this call only."""
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
+    # float queries against e4m3 documents: the kernel quantises the query rows itself
+    quant_q = Q.dtype != D.dtype
+    elem = D.element_size()  # of the MMA's operands
     # the MMA's K is at least 16 (16-bit) or 32 (fp8) elements
-    d_pad = max(32 if Q.element_size() == 1 else 16, next_pow2(dim))
-    wide = Q.element_size() <= 2 and d_pad <= 128
+    d_pad = max(32 if elem == 1 else 16, next_pow2(dim))
+    assert not quant_q or (elem == 1 and k_tile(d_pad) == d_pad), "fused query quantisation: fp8 D, d <= 256"
+    wide = elem <= 2 and d_pad <= 128
     rows, qpb, n_chunks = row_blocking(lq, nq, cross, WIDE_BLOCK_M if wide else TARGET_BLOCK_M)
     n_qblocks = cdiv(nq, qpb)
     # one row chunk (Lq <= 128, the common case) writes the final scores directly
@@ -173,9 +177,10 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     s_dmi, s_dmj, s_dmt = (0, 0, 0) if not has_dm else ((0, *s_dm) if cross else s_dm)
     s_rdi, s_rdj = _norm_strides(rd, cross, scaled)
     s_qmi, s_qms = s_qm if has_qm else (0, 0)
-    running_max = RUNNING_ARGMAX if save_argmax else (RUNNING_MAX and Q.element_size() == 1)
+    running_max = RUNNING_ARGMAX if save_argmax else (RUNNING_MAX and elem == 1)
     kernel, meta, after_launch = forward_kernel_and_meta(
-        rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=Q.dtype, n_programs=nj * n_qblocks * n_chunks,
+        rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=(Q.dtype, D.dtype) if quant_q else Q.dtype,
+        n_programs=nj * n_qblocks * n_chunks,
         save_arg=save_argmax, running_max=running_max,
     )
     ints = (
@@ -191,8 +196,8 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
         HAS_QM=has_qm, HAS_DM=has_dm, ZERO_MODE=bool(zero_mode),
         NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
-        UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype),
-        RUNNING_MAX=running_max,
+        UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(D.dtype),
+        RUNNING_MAX=running_max, QUANT_Q=quant_q,
         **meta,
     )
     grid = (nj * n_qblocks * n_chunks,)
@@ -203,7 +208,9 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     """Scores (and the argmax when ``save_argmax``).  ``scales = (q_scales [Nq, Lq],
     d_scales [.., Ld])`` (fp32, contiguous) multiply every similarity by its two tokens'
     scales -- the fp8 path's dequantisation; the kernel applies them exactly where it
-    applies inverse norms, so ``normalize`` must be off."""
+    applies inverse norms, so ``normalize`` must be off.  ``q_scales = None`` with float
+    ``Q`` and e4m3 ``D``: the kernel quantises the query rows itself (``QUANT_Q``; the
+    embedding dim must be at most 256), with the numbers of a separate quantisation."""
     device = Q.device
     qm = _mask_bytes(q_mask, device)
     dm = _mask_bytes(d_mask, device)
@@ -211,6 +218,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     if scales is not None:
         assert not normalize and not save_argmax, "scaled (fp8) scores are inference-only and never normalised"
         rq, rd = scales
+        rq = placeholder if rq is None else rq
     else:
         rq = inverse_norms(Q) if normalize else placeholder
         rd = inverse_norms(D) if normalize else placeholder

@@ -1,9 +1,9 @@
 """Per-token e4m3 quantisation in one pass (the fp8 path's query side, and index building).
 
-Same numbers as :func:`lik_plugins.kernels.reference.quantize_fp8`, bit for bit: the
-scale and the scaled values use round-to-nearest fp32 division (Triton's plain ``/`` is
-an approximate division on NVIDIA GPUs), and values are clamped to +-448 before the
-round-to-nearest-even cast.  The torch formulation takes ~8 launches; a query batch
+Same numbers as :func:`lik_plugins.kernels.reference.quantize_fp8`, bit for bit (the
+arithmetic is :func:`~lik_plugins.kernels.triton.forward.quantize_e4m3_rows`, which the
+forward kernel also runs on its query rows when the fp8 path fuses the query's
+quantisation).  The torch formulation takes ~8 launches; a query batch
 quantised inside a search call would pay them on every call.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..reference import FP8_DTYPE, FP8_MAX
-from .forward import _max_nan
+from .forward import quantize_e4m3_rows
 from .direct import launch
 from .tuning import cdiv, interpreting, next_pow2
 
@@ -26,13 +26,7 @@ def quantize_rows_kernel(X, V, S, n_rows, dim, s_xr, s_xh, BLOCK_R: tl.constexpr
     m_r = o_r < n_rows
     m = m_r[:, None] & (o_h[None, :] < dim)
     x = tl.load(X + o_r.to(tl.int64)[:, None] * s_xr + o_h[None, :] * s_xh, mask=m, other=0.0).to(tl.float32)
-    # NaN-propagating amax: a NaN token keeps scale 1 and NaN values, so its scores are NaN
-    amax = tl.reduce(tl.abs(x), 1, _max_nan)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_LIMIT), 1.0)
-    y = tl.math.div_rn(x, scale[:, None])
-    # clamp as torch.clamp does: NaN stays NaN (a plain min/max would clamp it to +-448)
-    y = tl.minimum(tl.maximum(y, -FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL), FP8_LIMIT,
-                   propagate_nan=tl.PropagateNan.ALL)
+    y, scale = quantize_e4m3_rows(x, FP8_LIMIT)
     if not CAST_ON_HOST:
         y = y.to(V.dtype.element_ty)
     tl.store(V + o_r.to(tl.int64)[:, None] * dim + o_h[None, :], y, mask=m)

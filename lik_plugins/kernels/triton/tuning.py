@@ -43,7 +43,7 @@ def interpreting() -> bool:
     return _INTERPRETED
 
 
-def _block_k(d_pad: int) -> int:
+def k_tile(d_pad: int) -> int:
     return d_pad if d_pad <= 256 else 128
 
 
@@ -101,7 +101,7 @@ _chosen: dict = {}
 def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_arg, running_max=False):
     """The kernel to launch, the meta-parameters the caller must pass, and a callback to
     run after the launch (records the autotuner's choice)."""
-    block_k = _block_k(d_pad)
+    block_k = k_tile(d_pad)
     if interpreting() or n_programs < SMALL_LAUNCH_PROGRAMS:
         block_n = 64 if d_pad <= 256 else 32
         meta = {"BLOCK_N": block_n, "BLOCK_K": block_k}
