@@ -130,6 +130,27 @@ def _as_tokens(name: str, x, rank: tuple[int, ...], quantize: bool = True):
     return Fp8Tokens(values, scales.contiguous())
 
 
+# Largest re-quantisation the fused path may do: every program quantises its own query
+# rows, i.e. about (documents per query) x (query elements) in all.  On an H100 (NOTES v13,
+# results/h100/probe_fp8_fused.json and kernels runs) fusing saved a launch on rerank
+# 1x1000 (4M elements: 0.226 -> 0.067 ms) but the round-to-nearest divisions, repeated per
+# document, cost more than the launch on search 64x4096 (1G elements: 0.79 -> 2.89 ms) and a
+# 1024-token query against 2000 documents (262M: 0.69 -> 1.43 ms).
+FUSED_QUANTISATION_ELEMENTS = 1 << 24
+
+
+def _fuse_query_quantisation(Q, d_values: torch.Tensor) -> bool:
+    """Quantise a float query inside the scoring kernel (kernels/triton/forward.py
+    ``QUANT_Q``: one launch instead of two, the same quantised values) -- on a GPU, for
+    embeddings up to 256 wide, where the repeated quantisation is small (above).  The
+    interpreter keeps the separate quantisation: it casts fp32 to e4m3 wrongly (see
+    kernels/triton/quantize.py)."""
+    if not isinstance(Q, torch.Tensor) or Q.dim() != 3 or not 0 < Q.shape[-1] <= 256 or triton_interpret():
+        return False
+    docs_per_query = d_values.shape[-3] if d_values.dim() >= 3 else 1
+    return docs_per_query * Q.numel() <= FUSED_QUANTISATION_ELEMENTS
+
+
 def served_by_fp8(values: torch.Tensor) -> str:
     """Path that scores fp8 tokens on ``values``' device now (see the module docstring)."""
     if disabled():
@@ -170,12 +191,7 @@ def maxsim_fp8(
     _check_options("auto", mask_mode)
     d = _as_tokens("D", D, (3, 4))
     path = served_by_fp8(d.values)
-    # A float query on the kernel path is quantised inside the scoring kernel (one launch
-    # instead of two, the same bits: kernels/triton/forward.py QUANT_Q) -- on a GPU, for
-    # embeddings up to 256 wide.  The interpreter keeps the separate quantisation: it casts
-    # fp32 to e4m3 wrongly (see kernels/triton/quantize.py).
-    fused = (path == "triton" and isinstance(Q, torch.Tensor) and not triton_interpret()
-             and 0 < Q.shape[-1] <= 256)
+    fused = path == "triton" and _fuse_query_quantisation(Q, d.values)
     q = _as_tokens("Q", Q, (3,), quantize=not fused)
     q_mask, d_mask, cross = _check_geometry(q if fused else q.values, d.values, q_mask, d_mask)
 

@@ -221,16 +221,18 @@ def test_fp8_kernel_equals_the_specification(shape, mode):
 
 
 @pytest.mark.parametrize("shape", [
-    (64, 512, 32, 256, 128, False),    # search: 256-row programs, autotuned
-    (2, 64, 300, 200, 128, False),     # long queries: row chunks
-    (16, 8, 32, 180, 96, True),        # per-query candidates, d not a power of two
+    (8, 8, 32, 256, 128, False),       # the unit-test regime
+    (2, 32, 300, 200, 128, False),     # long queries: row chunks
+    (4, 6, 32, 180, 96, True),         # per-query candidates, d not a power of two
     (3, 5, 32, 70, 200, False),        # d = 200: a 256-wide K tile
     (5, 7, 8, 20, 16, False),          # d = 16: padded to the fp8 MMA's K of 32
-], ids=["search", "long-query", "kd", "wide", "tiny-d"])
+], ids=["small", "long-query", "kd", "wide", "tiny-d"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_fp8_fused_query_quantisation_is_bitwise_the_two_launch_path(monkeypatch, shape, dtype):
     """A float query is quantised inside the scoring kernel (QUANT_Q): the same scores, bit
-    for bit, as quantising it first -- a NaN token included -- and no separate launch."""
+    for bit, as quantising it first -- a NaN token included -- and no separate launch.
+    (Below 128 programs both paths run the same fixed tile config; autotuned shapes may
+    pick different configs for the two kernels, see the next test.)"""
     nq, nj, lq, ld, d, kd = shape
     Q, D, qm, dm = _inputs(nq, nj, lq, ld, d, dtype, kd)
     Q[0, 1, 2] = float("nan")
@@ -246,6 +248,18 @@ def test_fp8_fused_query_quantisation_is_bitwise_the_two_launch_path(monkeypatch
     fused = lik.maxsim_fp8(Q, index, qm, dm)
     assert fused[0].isnan().all() and not fused[1:].isnan().any()
     assert torch.equal(fused.nan_to_num(), two_launches.nan_to_num())
+
+
+@pytest.mark.parametrize("shape", [(1, 1000, 32, 300), (64, 512, 32, 256)], ids=["rerank", "search"])
+def test_fp8_fused_query_quantisation_on_tuned_shapes_meets_the_specification(monkeypatch, shape):
+    from lik_plugins import fp8
+
+    monkeypatch.setattr(fp8, "FUSED_QUANTISATION_ELEMENTS", 1 << 40)  # fuse the search shape too
+    nq, nj, lq, ld = shape
+    Q, D, qm, dm = _inputs(nq, nj, lq, ld, 128, torch.bfloat16, False)
+    index = lik.quantize_fp8(D)
+    spec = reference.maxsim_fp8(lik.quantize_fp8(Q), index, qm, dm, dtype=torch.float64)
+    assert _rel(lik.maxsim_fp8(Q, index, qm, dm), spec) < 3e-4
 
 
 def test_fp8_quantize_kernel_is_bitwise_the_specification():
