@@ -228,11 +228,12 @@ def test_fp8_kernel_equals_the_specification(shape, mode):
     (5, 7, 8, 20, 16, False),          # d = 16: padded to the fp8 MMA's K of 32
 ], ids=["small", "long-query", "kd", "wide", "tiny-d"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_fp8_fused_query_quantisation_is_bitwise_the_two_launch_path(monkeypatch, shape, dtype):
-    """A float query is quantised inside the scoring kernel (QUANT_Q): the same scores, bit
-    for bit, as quantising it first -- a NaN token included -- and no separate launch.
-    (Below 128 programs both paths run the same fixed tile config; autotuned shapes may
-    pick different configs for the two kernels, see the next test.)"""
+def test_fp8_fused_query_quantisation_matches_the_two_launch_path(monkeypatch, shape, dtype):
+    """A float query is quantised inside the scoring kernel (QUANT_Q): the scores of
+    quantising it first, to the last bit or one -- a NaN token included -- and no separate
+    launch.  Measured on an H100 (benchmarks/diag_fp8_fused.py): 1-ulp differences in up to
+    40 % of the scores (relative <= 1.1e-7) and the same error against the specification; a
+    query token quantised differently would move its score by ~1e-3."""
     nq, nj, lq, ld, d, kd = shape
     Q, D, qm, dm = _inputs(nq, nj, lq, ld, d, dtype, kd)
     Q[0, 1, 2] = float("nan")
@@ -247,7 +248,7 @@ def test_fp8_fused_query_quantisation_is_bitwise_the_two_launch_path(monkeypatch
     monkeypatch.setattr(fp8, "_quantize", no_separate_quantisation)
     fused = lik.maxsim_fp8(Q, index, qm, dm)
     assert fused[0].isnan().all() and not fused[1:].isnan().any()
-    assert torch.equal(fused.nan_to_num(), two_launches.nan_to_num())
+    assert _rel(fused[1:], two_launches[1:]) < 1e-6
 
 
 @pytest.mark.parametrize("shape", [(1, 1000, 32, 300), (64, 512, 32, 256)], ids=["rerank", "search"])
