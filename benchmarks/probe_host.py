@@ -100,6 +100,18 @@ def peers():
     return out
 
 
+def profile(fn, calls: int, sort: str, lines: int) -> str:
+    """cProfile of ``calls`` calls of ``fn``, the top ``lines`` entries by ``sort``."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(lines)
+    return out.getvalue()
+
+
 def train_step(fn, Q, D, g):
     Q.grad = D.grad = None
     fn(Q, D).backward(g)
@@ -122,24 +134,11 @@ def main(out_dir):
             row["torch.empty"] = host_us(lambda: torch.empty((nq, nd), device="cuda"))
             for peer, fn in peers().items():
                 row[peer] = host_us(lambda: fn(Q, D))  # noqa: B023
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(500):
-                lik.maxsim(Q, D)
-            prof.disable()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        profiles.append(f"## {name}: lik.maxsim x500, by own time\n{s.getvalue()}")
-        with torch.no_grad():
+            profiles.append(f"## {name}: lik.maxsim x500, by own time\n"
+                            + profile(lambda: lik.maxsim(Q, D), 500, "tottime", 25))
             row["fp8 query quantisation alone"] = host_us(lambda: fp8._quantize(Q))
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(500):
-                lik.maxsim_fp8(Q, index)
-            prof.disable()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
-        profiles.append(f"## {name}: lik.maxsim_fp8 x500, by cumulative time\n{s.getvalue()}")
+            profiles.append(f"## {name}: lik.maxsim_fp8 x500, by cumulative time\n"
+                            + profile(lambda: lik.maxsim_fp8(Q, index), 500, "cumulative", 30))
         if nq * nd <= 64:
             Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
             g = torch.randn(nq, nd, device="cuda")
@@ -150,14 +149,8 @@ def main(out_dir):
 
                     fn = lambda Q, D: f.flash_maxsim_batched_train(Q, D, shared_docs=True)  # noqa: E731
                 row[f"train {peer}"] = host_us(lambda: train_step(fn, Qg, Dg, g), calls=100)  # noqa: B023
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(200):
-                train_step(lik.maxsim, Qg, Dg, g)
-            prof.disable()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-            profiles.append(f"## {name}: train step x200, by own time\n{s.getvalue()}")
+            profiles.append(f"## {name}: train step x200, by own time\n"
+                            + profile(lambda: train_step(lik.maxsim, Qg, Dg, g), 200, "tottime", 25))
         rows.append(row)
         print(json.dumps(row), flush=True)
     import triton
