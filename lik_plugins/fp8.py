@@ -193,7 +193,9 @@ def maxsim_fp8(
     path = served_by_fp8(d.values)
     fused = path == "triton" and _fuse_query_quantisation(Q, d.values)
     q = _as_tokens("Q", Q, (3,), quantize=not fused)
-    q_mask, d_mask, cross = _check_geometry(q if fused else q.values, d.values, q_mask, d_mask)
+    # fused: the float query goes to the kernel as it is, with no scales of its own
+    q_values, q_scales = (q, None) if fused else q
+    q_mask, d_mask, cross = _check_geometry(q_values, d.values, q_mask, d_mask)
 
     _routing.record("maxsim_fp8", path)
     with torch.no_grad():
@@ -202,9 +204,9 @@ def maxsim_fp8(
         if path == "triton":
             from .kernels.triton import launch
 
-            scores, _ = launch.forward(q if fused else q.values, d.values, q_mask, d_mask, cross=cross,
-                                       normalize=False, zero_mode=mask_mode == "zero", save_argmax=False,
-                                       scales=(None if fused else q.scales, d.scales))
+            scores, _ = launch.forward(q_values, d.values, q_mask, d_mask, cross=cross, normalize=False,
+                                       zero_mode=mask_mode == "zero", save_argmax=False,
+                                       scales=(q_scales, d.scales))
             return scores
         # No fp8 matrix units here: the same numbers from the dequantised tokens, with the
         # bounded-memory path (it materialises fp32 tokens, 4x the fp8 bytes).
