@@ -6,7 +6,11 @@
   guard) against the forward with argmax (the same FLOPs) and the
   ``unified`` backward (atomics into an fp32 buffer): the ring (two slabs) and one slab.
 
-Usage: python benchmarks/sweep_doc.py OUT_JSON [cross|ring|candidates|all]   (ring: cross without the configs)
+* sorted (cross product): the sort kernel (rows by winner, per document) alone, then every
+  config of the one-hot kernel walking only the rows that hit its tile, against the dense
+  walk's best config (``--sorted``: ``sorted`` mode only).
+
+Usage: python benchmarks/sweep_doc.py OUT_JSON [cross|ring|candidates|sorted|all]   (ring: cross without the configs)
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ def _unit(*shape):
     return torch.nn.functional.normalize(torch.randn(*shape, device="cuda", dtype=torch.bfloat16), dim=-1)
 
 
-def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg, guard=True):
+def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg, guard=True, csr=None):
     nq, lq, _ = Q.shape
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
     n_docs = nj if cross else nq * nj
@@ -39,10 +43,10 @@ def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg,
     ph = launch._placeholder(Q.device, torch.float32)
     maxsim_bwd_doc_kernel[(n_gather + n_docs * triton.cdiv(ld, cfg.kwargs["BLOCK_T"]),)](
         g, Q, D, ph, ph, arg, gd, gq, nq, nj, lq, ld, Q.shape[-1], g.stride(0), g.stride(1),
-        *Q.stride(), *s_d, 0, 0, arg.stride(0), n_gather,
+        *Q.stride(), *s_d, 0, 0, arg.stride(0), n_gather, ph if csr is None else csr,
         CROSS=cross, NORMALIZE=False, F32_DOT=False, PRECISION="tf32", UPCAST=False,
         D_PAD=128, WITH_GATHER=n_gather > 0, BLOCK_J=block_j, BLOCK_S=block_s,
-        GUARD_ROWS=guard,
+        GUARD_ROWS=guard and csr is None, SORTED=csr is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs,
     )
 
@@ -115,8 +119,35 @@ def sweep_cross(rows, configs=True):
         torch.cuda.empty_cache()
 
 
+def sweep_sorted(rows):
+    for name, nq, nd, lq, ld in CROSS_SHAPES:
+        if nq * lq > launch.SORTED_MAX_ROWS:
+            continue
+        Q, D = _unit(nq, lq, 128), _unit(nd, ld, 128)
+        _, arg = launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False, save_argmax=True)
+        g = torch.randn(nq, nd, device="cuda")
+        gd, gq = torch.empty_like(D), torch.empty_like(Q)
+        sort = lambda: launch._sort_rows_by_winner(arg, nq, nd, lq, ld)  # noqa: E731
+        csr = sort()
+        sort_ms = do_bench(sort)
+        row = {"shape": name, "sort_us": sort_ms * 1e3, "sorted": [], "dense": []}
+        print(f"{name}: sort rows by winner {sort_ms*1e3:.1f} us", flush=True)
+        for kind, kw in (("sorted", {"csr": csr}), ("dense", {"guard": False})):
+            for cfg in _configs(Q):
+                ms = do_bench(lambda: _doc_launch(g, Q, D, arg, gd, gq, cross=True, n_gather=0, block_j=1, block_s=1,
+                                                  cfg=cfg, **kw))
+                row[kind].append({"config": str(cfg), "us": ms * 1e3})
+            best = min(row[kind], key=lambda r: r["us"])
+            print(f"   {kind:6s} best {best['config']:60s} {best['us']:8.1f} us", flush=True)
+        rows.append(row)
+        del Q, D, gd, arg, csr
+        torch.cuda.empty_cache()
+
+
 def main(out, which="all"):
     rows = []
+    if which == "sorted":
+        sweep_sorted(rows)
     if which in ("cross", "all", "ring"):
         sweep_cross(rows, configs=which != "ring")
     if which in ("candidates", "all"):

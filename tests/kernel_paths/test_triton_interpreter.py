@@ -20,7 +20,7 @@ from lik_plugins._config import triton_interpret
 from lik_plugins.kernels import dispatch, reference
 from maxsim_testlib import (
     LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
-    noncontiguous_inputs, tied_inputs,
+    noncontiguous_inputs, tied_inputs, check_rows_sorted_by_winner,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -42,6 +42,16 @@ def _triton_backend(monkeypatch):
     monkeypatch.setenv("LIK_BACKEND", "triton")
 
 
+@pytest.fixture(params=["sorted", "dense"])
+def lowmem_rows(request, monkeypatch):
+    """Both ways the cross product's lowmem grad_D finds its rows: sorted by winner per
+    document first (``launch.SORTED_LOWMEM``), or every query row against every tile."""
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setattr(launch, "SORTED_LOWMEM", request.param == "sorted")
+    return request.param
+
+
 def _inputs(gen, layout, dtype=torch.float32, shape=None, **kw):
     nq, nj, lq, ld, d = shape or SHAPES[layout]
     return make_inputs(gen, layout, nq, nj, lq, ld, d, dtype, **kw)
@@ -60,7 +70,7 @@ def test_calls_are_served_by_triton(gen):
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
 @pytest.mark.parametrize("mask_mode", MASK_MODES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp32_lowmem_matches_reference(gen, layout, mask_mode, normalize):
+def test_fp32_lowmem_matches_reference(gen, layout, mask_mode, normalize, lowmem_rows):
     Q, D, qm, dm = _inputs(gen, layout)
     check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=normalize, mask_mode=mask_mode,
                             backward="lowmem")
@@ -84,7 +94,7 @@ def test_unmasked_auto_backward(gen):
 
 @pytest.mark.parametrize("backward", ["lowmem", "unified"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_bf16_matches_reference(gen, layout, backward):
+def test_bf16_matches_reference(gen, layout, backward, lowmem_rows):
     """bf16 inputs: fp32 accumulation (scores tight), gradients written in bf16 (tolerance)."""
     shape = {"cross": (2, 3, 5, 37, 40), "kd": (2, 2, 6, 21, 40), "pairs": (3, 1, 5, 19, 40)}[layout]
     Q, D, qm, dm = _inputs(gen, layout, torch.bfloat16, shape=shape)
@@ -173,7 +183,7 @@ def _magnet_inputs(gen, layout, nq, nj, lq, ld, d, token):
     [("cross", (3, 2, 24, 8, 16)), ("kd", (1, 2, 40, 300, 16))],
     ids=["cross-72-rows-one-tile", "kd-40-rows-one-tile-of-300"],
 )
-def test_lowmem_many_winners_in_one_tile(gen, layout, shape):
+def test_lowmem_many_winners_in_one_tile(gen, layout, shape, lowmem_rows):
     nq, nj, lq, ld, d = shape
     Q, D = _magnet_inputs(gen, layout, nq, nj, lq, ld, d, token=min(5, ld - 1))
     _, _, gd = check_against_reference(layout, Q, D, None, None, gen=gen, backward="lowmem")
@@ -183,7 +193,7 @@ def test_lowmem_many_winners_in_one_tile(gen, layout, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["cross", "kd"])
-def test_lowmem_is_bitwise_deterministic(gen, layout, dtype):
+def test_lowmem_is_bitwise_deterministic(gen, layout, dtype, lowmem_rows):
     Q, D, qm, dm = make_inputs(gen, layout, 3, 3, 6, 20, 32, dtype)
     Q.requires_grad_()
     D.requires_grad_()
@@ -201,7 +211,7 @@ def test_lowmem_is_bitwise_deterministic(gen, layout, dtype):
 @pytest.mark.parametrize("mask_mode", MASK_MODES)
 @pytest.mark.parametrize("backward", ["lowmem", "unified"])
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
-def test_fully_masked_rows_get_exact_zero_gradients(gen, backward, mask_mode, normalize):
+def test_fully_masked_rows_get_exact_zero_gradients(gen, backward, mask_mode, normalize, lowmem_rows):
     Q, D, qm, dm = make_inputs(gen, "cross", 3, 3, 5, 9, 16)
     qm[1] = False  # a fully masked query
     dm[2] = False  # a fully masked document
@@ -347,7 +357,7 @@ def test_float64_is_refused_with_a_reason(gen):
 
 @pytest.mark.parametrize("backward", ["lowmem", "unified"])
 @pytest.mark.parametrize("layout", ["cross", "kd"])
-def test_exact_ties_go_to_the_lowest_index(gen, layout, backward, argmax_epilogue):
+def test_exact_ties_go_to_the_lowest_index(gen, layout, backward, argmax_epilogue, lowmem_rows):
     """Token 3 of document 0 is copied to 67 (same column of the next BLOCK_N=64 tile) and
     to 10 (same tile): the argmax and the gradient must pick token 3."""
     from lik_plugins.kernels.triton import launch
@@ -363,3 +373,27 @@ def test_exact_ties_go_to_the_lowest_index(gen, layout, backward, argmax_epilogu
     doc0 = gd.reshape(-1, ld, d)[0]
     assert doc0[3].abs().sum() > 0
     assert torch.equal(doc0[10], torch.zeros(d)) and torch.equal(doc0[67], torch.zeros(d))
+
+
+@pytest.mark.parametrize("nq,lq,ld", [(3, 5, 9), (4, 8, 70), (1, 1, 1), (2, 16, 3)],
+                         ids=["ragged", "pow2-rows", "one-row", "more-rows-than-tokens"])
+def test_rows_sorted_by_winner_form_a_csr(gen, nq, lq, ld):
+    """The sort kernel's CSR: per document, the query rows ordered by (winner, row), rows
+    without a winner (-1) last, and each token's start -- what a stable sort gives.  (The
+    16-bit limit, SORTED_MAX_ROWS rows, is checked on the GPU: 80 s in the interpreter.)"""
+    argmax = torch.randint(-1, ld, (nq, 3, lq), generator=gen, dtype=torch.int16)
+    argmax[0, 0] = -1  # a query with no winner at all in document 0
+    check_rows_sorted_by_winner(argmax, ld)
+
+
+def test_nan_in_masked_query_tokens_never_reaches_a_gradient(gen, lowmem_rows):
+    """A masked query token holding NaN has no winner: every gradient stays finite."""
+    Q, D, qm, dm = make_inputs(gen, "cross", 2, 3, 6, 40, 16, special_rows=False)
+    qm[1, 3] = False
+    Q[1, 3] = float("nan")
+    Q.requires_grad_()
+    D.requires_grad_()
+    out = lik.maxsim(Q, D, qm, dm, backward="lowmem")
+    gq, gd = torch.autograd.grad(out, (Q, D), torch.randn(out.shape, generator=gen))
+    assert torch.isfinite(gd).all()
+    assert torch.isfinite(gq[qm]).all()

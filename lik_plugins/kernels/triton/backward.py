@@ -10,7 +10,10 @@
   tile as a one-hot ``[BLOCK_T, BLOCK_R]`` x ``[BLOCK_R, d]`` product, so no atomics, no
   fp32 buffer, bitwise deterministic, written once in the input dtype.  (A prefix-sum
   compaction of the hitting rows was tried and measured 1.3-3x slower on an H100:
-  see benchmarks/NOTES.md.)
+  see benchmarks/NOTES.md.)  With ``SORTED`` (cross product) the program reads only the
+  rows that picked a token of its tile: :func:`maxsim_bwd_sort_kernel` first lists each
+  document's query rows sorted by the token they picked (a CSR of the argmax), so the
+  one-hot product walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``.
 * :func:`maxsim_bwd_winners_kernel` — ``lowmem`` for candidates and pairs: each document
   is owned by one query, so grad_D is zero-filled (memset speed) and only its winning rows
   are written, duplicates summed by a tiny equality-matrix MMA (one writer per row).  On an
@@ -222,6 +225,16 @@ def _doc_body(
             b_w = b_w.to(b_q.dtype)
         b_acc = tl.dot(b_w, b_q, b_acc, input_precision=PRECISION)                     # [BT, BR] @ [BR, DP]
 
+    _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
+                  s_rdi, s_rdj, NORMALIZE)
+
+
+@triton.jit
+def _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
+                  s_rdi, s_rdj, NORMALIZE: tl.constexpr):
+    """Write the fp32 ``[BLOCK_T, D_PAD]`` grad_D tile of document ``i_doc`` (tokens
+    ``o_t``), through the normalisation Jacobian when ``NORMALIZE``."""
+    o_h = tl.arange(0, b_acc.shape[1])
     p_d = D + i_own * s_di + i_j * s_dj
     if NORMALIZE:
         b_d = tl.load(p_d + o_t[:, None] * s_dt + o_h[None, :] * s_dh,
@@ -230,6 +243,95 @@ def _doc_body(
         b_acc = _project(b_acc, b_d, b_rd)
     p_gd = GD + i_doc * ld * dim + o_t[:, None] * dim + o_h[None, :]
     tl.store(p_gd, b_acc.to(GD.dtype.element_ty), mask=m_t[:, None] & m_h[None, :])
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])
+def maxsim_bwd_sort_kernel(ARG, CSR, n_q, n_j, lq, ld, R_PAD: tl.constexpr, T_BINS: tl.constexpr):
+    """One program per document ``j`` of the cross product: its query rows sorted by the
+    token they picked in ``j`` (then by row), and where each token's rows start.
+
+    ``CSR[j] = [rows (n_q * lq), starts (ld + 1)]``, 16-bit, read as unsigned (row ids and
+    starts go up to 32768).  Rows without a winner (masked query tokens, argmax -1) sort
+    after every token and lie in no token's range, so their values are never read.  The
+    sort key ``winner * R_PAD + row`` is unique, so the order -- and every sum taken in it
+    -- is the same on every run."""
+    i_j = tl.program_id(0).to(tl.int64)
+    n_rows = n_q * lq
+    o_r = tl.arange(0, R_PAD)
+    m_r = o_r < n_rows
+    b_w = _doc_winners(ARG, o_r, n_rows, i_j, n_j, lq)
+    b_w = tl.where(b_w >= 0, b_w, ld)
+    b_sorted = tl.sort(tl.where(m_r, b_w * R_PAD + o_r, 2147483647))
+    p_csr = CSR + i_j * (n_rows + ld + 1)
+    tl.store(p_csr + o_r, (b_sorted % R_PAD).to(tl.int16), mask=m_r)
+    # padding rows and rows without a winner count in bin ld, past every token
+    b_count = tl.histogram(b_w, T_BINS)
+    o_b = tl.arange(0, T_BINS)
+    tl.store(p_csr + n_rows + o_b, (tl.cumsum(b_count, 0) - b_count).to(tl.int16), mask=o_b <= ld)
+
+
+@triton.jit
+def _unsigned16(x):
+    return x.to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _sorted_doc_body(
+    pid,
+    G, Q, D, RQ, RD, CSR, GD,
+    n_q, n_j, lq, ld, dim,
+    s_gi, s_gj,
+    s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh,
+    s_rdi, s_rdj,
+    NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+):
+    # The cross product's grad_D tile (document j, tokens t0..t0+BLOCK_T) from the rows that
+    # picked one of its tokens only: in the CSR they are one contiguous range, token by token,
+    # so the one-hot of a row is "its position lies in the token's range" -- no argmax load.
+    n_tb = tl.cdiv(ld, BLOCK_T)
+    i_j = (pid // n_tb).to(tl.int64)
+    t0 = (pid % n_tb) * BLOCK_T
+    o_t = t0 + tl.arange(0, BLOCK_T)
+    o_h = tl.arange(0, D_PAD)
+    o_r = tl.arange(0, BLOCK_R)
+    m_t = o_t < ld
+    m_h = o_h < dim
+    n_rows = n_q * lq
+    p_rows = CSR + i_j * (n_rows + ld + 1)
+    p_starts = p_rows + n_rows
+    b_lo = _unsigned16(tl.load(p_starts + o_t, mask=m_t, other=0))                     # [BT]
+    b_hi = _unsigned16(tl.load(p_starts + o_t + 1, mask=m_t, other=0))
+    k_lo = _unsigned16(tl.load(p_starts + t0))
+    k_hi = _unsigned16(tl.load(p_starts + tl.minimum(t0 + BLOCK_T, ld)))
+    # 16-bit row ids are too narrow for the pipeliner's asynchronous copies: fetched one
+    # step ahead by hand, as the dense kernel does with the argmax (NOTES v9)
+    b_r_next = _unsigned16(tl.load(p_rows + k_lo + o_r, mask=k_lo + o_r < k_hi, other=0))
+    b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_R):
+        b_r = b_r_next
+        o_k = k0 + o_r
+        b_r_next = _unsigned16(tl.load(p_rows + o_k + BLOCK_R, mask=o_k + BLOCK_R < k_hi, other=0))
+        m_k = o_k < k_hi
+        i_q = b_r // lq
+        i_s = b_r % lq
+        b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_k, other=0.0)
+        if NORMALIZE:
+            b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_k, other=0.0)
+        b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
+                      mask=m_k[:, None] & m_h[None, :], other=0.0)                       # [BR, DP]
+        if F32_DOT or UPCAST:
+            b_q = b_q.to(tl.float32)
+        hit = (o_k[None, :] >= b_lo[:, None]) & (o_k[None, :] < b_hi[:, None])            # [BT, BR]
+        b_w = tl.where(hit, b_g[None, :], 0.0)
+        if not (F32_DOT or UPCAST):
+            b_w = b_w.to(b_q.dtype)   # bf16 operands, as in the dense kernel
+        b_acc = tl.dot(b_w, b_q, b_acc, input_precision=PRECISION)
+    i_doc = i_j
+    _store_grad_d(b_acc, D, RD, GD, i_doc * 0, i_j, i_doc, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
+                  s_rdi, s_rdj, NORMALIZE)
 
 
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])
@@ -260,16 +362,17 @@ def maxsim_bwd_doc_kernel(
     s_qi, s_qs, s_qh,
     s_di, s_dj, s_dt, s_dh,
     s_rdi, s_rdj, s_ai,
-    n_gather_programs,
+    n_gather_programs, CSR,
     CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
     WITH_GATHER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-    GUARD_ROWS: tl.constexpr,
+    GUARD_ROWS: tl.constexpr, SORTED: tl.constexpr,
 ):
-    """``lowmem`` grad_D; with ``WITH_GATHER`` the first ``n_gather_programs`` programs
-    compute grad_Q (the gather, unsplit) in the same launch: one launch less per step,
-    which is what bounds the small training shapes on the host."""
+    """``lowmem`` grad_D (``SORTED``: from the CSR of :func:`maxsim_bwd_sort_kernel`); with
+    ``WITH_GATHER`` the first ``n_gather_programs`` programs compute grad_Q (the gather,
+    unsplit) in the same launch: one launch less per step, which is what bounds the small
+    training shapes on the host."""
     pid = tl.program_id(0)
     if WITH_GATHER:
         if pid < n_gather_programs:
@@ -279,11 +382,33 @@ def maxsim_bwd_doc_kernel(
                 True, False, NORMALIZE, False, BLOCK_J, BLOCK_S, D_PAD,
             )
         else:
-            _doc_body(
-                pid - n_gather_programs, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj,
+            _grad_d_tile(
+                pid - n_gather_programs, G, Q, D, RQ, RD, ARG, CSR, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj,
                 s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION,
-                UPCAST, BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS,
+                UPCAST, BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS, SORTED,
             )
+    else:
+        _grad_d_tile(
+            pid, G, Q, D, RQ, RD, ARG, CSR, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+            s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST,
+            BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS, SORTED,
+        )
+
+
+@triton.jit
+def _grad_d_tile(
+    pid, G, Q, D, RQ, RD, ARG, CSR, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+    s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj,
+    CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+    GUARD_ROWS: tl.constexpr, SORTED: tl.constexpr,
+):
+    if SORTED:
+        _sorted_doc_body(
+            pid, G, Q, D, RQ, RD, CSR, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+            s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, NORMALIZE, F32_DOT, PRECISION, UPCAST,
+            BLOCK_T, BLOCK_R, D_PAD,
+        )
     else:
         _doc_body(
             pid, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,

@@ -12,7 +12,10 @@ import torch
 
 from ..common import inverse_norms
 from . import direct
-from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
+from .backward import (
+    maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_sort_kernel, maxsim_bwd_winners_kernel,
+    project_rows_kernel,
+)
 from .direct import launch
 from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2
 
@@ -58,6 +61,13 @@ RING_SLABS = 32
 # fp32 buffer (slab by slab above UNIFIED_BUFFER_BYTES).  The kernel and its tests stay
 # for that work (tests/gpu switch it on and expect the failure).
 RING_ENABLED = False
+# lowmem for the cross product: sort each document's query rows by the token they picked
+# (one launch, a CSR of the argmax) so a grad_D tile multiplies only the rows that hit it,
+# Nq*Lq*BLOCK_T/Ld rows instead of all Nq*Lq.  Row ids and starts are kept in 16 bits (the
+# CSR is as big as the argmax), so up to SORTED_MAX_ROWS query rows; one program sorts a
+# whole document's rows in registers.
+SORTED_LOWMEM = True
+SORTED_MAX_ROWS = 1 << 15
 # fp8 inference forward: an elementwise running max over the document tiles, reduced
 # across columns once at the end instead of a cross-thread reduction per tile.  The fp8
 # MMA is twice as fast, so the CUDA-core epilogue is its bottleneck; on an H100 this made
@@ -385,6 +395,20 @@ def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize, d_pad):
     return grad_q, grad_d
 
 
+def _sort_rows_by_winner(argmax, nq, nj, lq, ld):
+    """The cross product's argmax as a CSR per document (:func:`maxsim_bwd_sort_kernel`):
+    ``[nj, nq*lq + ld + 1]`` 16-bit -- the query rows sorted by winner, then each token's start."""
+    n_rows = nq * lq
+    csr = torch.empty((nj, n_rows + ld + 1), dtype=torch.int16, device=argmax.device)
+    r_pad = next_pow2(n_rows)
+    meta = dict(R_PAD=r_pad, T_BINS=next_pow2(ld + 1))
+    if not interpreting():
+        # one program holds the document's rows: about 32 sort keys per thread
+        meta["num_warps"] = max(4, min(16, r_pad // 1024))
+    launch(maxsim_bwd_sort_kernel, (nj,), (argmax, csr, nq, nj, lq, ld), meta)
+    return csr
+
+
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, q_masked=True):
     """``strategy``: ``"lowmem"`` (destination-owned grad_D, deterministic, no fp32 buffer)
     or ``"unified"`` (gather + atomic scatter in one pass over the argmax).  ``q_masked``:
@@ -451,6 +475,10 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
                 _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
     f32_dot = Q.dtype != torch.bfloat16
     n_gather = n_gather if fused_gather else 0
+    sort_rows = need_d and not scatter and cross and SORTED_LOWMEM and nq * lq <= SORTED_MAX_ROWS
+    csr = placeholder
+    if sort_rows:
+        csr = _sort_rows_by_winner(argmax, nq, nj, lq, ld)
     # the two lowmem grad_D kernels take the same arguments (the gather rides along in both)
     lowmem_args = (
         grad, Q, D, rq, rd, argmax, grad_d, grad_q if fused_gather else placeholder,
@@ -473,12 +501,14 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
         ))
     elif need_d and not scatter:
         n_docs = nj if cross else nq * nj
+        # sorted rows never include one without a winner: nothing to guard
+        guard_rows = q_masked and not sort_rows
         kernel, meta, after_launch = doc_kernel_and_meta(
             d_pad=d_pad, n_programs_at_64=n_docs * cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
-            normalize=normalize, with_gather=fused_gather, dtype=Q.dtype, guard_rows=q_masked,
+            normalize=normalize, with_gather=fused_gather, dtype=Q.dtype, guard_rows=guard_rows, sorted_rows=sort_rows,
         )
-        launch(kernel, lambda m: (n_gather + n_docs * cdiv(ld, m["BLOCK_T"]),), lowmem_args,
-               dict(CROSS=cross, GUARD_ROWS=q_masked, **lowmem_meta, **meta))
+        launch(kernel, lambda m: (n_gather + n_docs * cdiv(ld, m["BLOCK_T"]),), (*lowmem_args, csr),
+               dict(CROSS=cross, GUARD_ROWS=guard_rows, SORTED=sort_rows, **lowmem_meta, **meta))
         if after_launch is not None:
             after_launch()
     return grad_q, grad_d
