@@ -6,9 +6,9 @@
   guard) against the forward with argmax (the same FLOPs) and the
   ``unified`` backward (atomics into an fp32 buffer): the ring (two slabs) and one slab.
 
-* sorted (cross product): the sort kernel (rows by winner, per document) alone, then every
-  config of the one-hot kernel walking only the rows that hit its tile, against the dense
-  walk's best config (``--sorted``: ``sorted`` mode only).
+* sorted (cross product): the sort (rows by winner, per document: count + place kernels)
+  alone, then the one-hot kernel walking only the rows that hit its tile at the configs
+  that won its full sweep, against the dense walk's best config.
 
 Usage: python benchmarks/sweep_doc.py OUT_JSON [cross|ring|candidates|sorted|all]   (ring: cross without the configs)
 """
@@ -119,6 +119,10 @@ def sweep_cross(rows, configs=True):
         torch.cuda.empty_cache()
 
 
+SORTED_CONFIGS = [triton.Config({"BLOCK_T": 32, "BLOCK_R": 128}, num_warps=4, num_stages=st) for st in (2, 3)]
+DENSE_CONFIGS = [triton.Config({"BLOCK_T": 128, "BLOCK_R": 64}, num_warps=4, num_stages=2)]
+
+
 def sweep_sorted(rows):
     for name, nq, nd, lq, ld in CROSS_SHAPES:
         if nq * lq > launch.SORTED_MAX_ROWS:
@@ -132,8 +136,9 @@ def sweep_sorted(rows):
         sort_ms = do_bench(sort)
         row = {"shape": name, "sort_us": sort_ms * 1e3, "sorted": [], "dense": []}
         print(f"{name}: sort rows by winner {sort_ms*1e3:.1f} us", flush=True)
-        for kind, kw in (("sorted", {"csr": csr}), ("dense", {"guard": False})):
-            for cfg in _configs(Q):
+        # each kind at the configs that won the full sweeps (sorted: session 8, dense: NOTES v9)
+        for kind, kw, configs in (("sorted", {"csr": csr}, SORTED_CONFIGS), ("dense", {"guard": False}, DENSE_CONFIGS)):
+            for cfg in configs:
                 ms = do_bench(lambda: _doc_launch(g, Q, D, arg, gd, gq, cross=True, n_gather=0, block_j=1, block_s=1,
                                                   cfg=cfg, **kw))
                 row[kind].append({"config": str(cfg), "us": ms * 1e3})

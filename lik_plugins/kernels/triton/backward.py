@@ -11,8 +11,9 @@
   fp32 buffer, bitwise deterministic, written once in the input dtype.  (A prefix-sum
   compaction of the hitting rows was tried and measured 1.3-3x slower on an H100:
   see benchmarks/NOTES.md.)  With ``SORTED`` (cross product) the program reads only the
-  rows that picked a token of its tile: :func:`maxsim_bwd_sort_kernel` first lists each
-  document's query rows sorted by the token they picked (a CSR of the argmax), so the
+  rows that picked a token of its tile: :func:`maxsim_bwd_count_kernel` and
+  :func:`maxsim_bwd_place_kernel` first list each document's query rows sorted by the
+  token they picked (a CSR of the argmax), so the
   one-hot product walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``.
 * :func:`maxsim_bwd_winners_kernel` — ``lowmem`` for candidates and pairs: each document
   is owned by one query, so grad_D is zero-filled (memset speed) and only its winning rows
@@ -245,29 +246,74 @@ def _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s
     tl.store(p_gd, b_acc.to(GD.dtype.element_ty), mask=m_t[:, None] & m_h[None, :])
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])
-def maxsim_bwd_sort_kernel(ARG, CSR, n_q, n_j, lq, ld, R_PAD: tl.constexpr, T_BINS: tl.constexpr):
-    """One program per document ``j`` of the cross product: its query rows sorted by the
-    token they picked in ``j`` (then by row), and where each token's rows start.
-
-    ``CSR[j] = [rows (n_q * lq), starts (ld + 1)]``, 16-bit, read as unsigned (row ids and
-    starts go up to 32768).  Rows without a winner (masked query tokens, argmax -1) sort
-    after every token and lie in no token's range, so their values are never read.  The
-    sort key ``winner * R_PAD + row`` is unique, so the order -- and every sum taken in it
-    -- is the same on every run."""
-    i_j = tl.program_id(0).to(tl.int64)
-    n_rows = n_q * lq
-    o_r = tl.arange(0, R_PAD)
-    m_r = o_r < n_rows
+# Rows sorted by winner: a stable counting sort of each document's query rows, keyed by
+# the token they picked (keys 0..ld, ``ld`` for "no winner").  Two launches, because a
+# row's place needs the counts of every row before it: COUNT takes a histogram per group
+# of GROUP rows, PLACE turns them into the group's first free slot per token (the token's
+# start plus the earlier groups' counts) and walks its rows in CHUNKs, each row going to
+# that slot plus the number of earlier rows of its chunk with the same token.  The order
+# within a token is the row order, so the CSR -- and every sum taken in it -- is the same
+# on every run.  (One program sorting a document with ``tl.sort`` took 0.46 ms at ColBERT
+# 256 and 11 ms at 1024 on an H100; benchmarks/NOTES.md v14.)
+@triton.jit
+def _winner_keys(ARG, o_r, n_rows, i_j, n_j, lq, ld):
+    """Sort keys of query rows ``o_r`` in document ``i_j``: the winning token, or ``ld``."""
     b_w = _doc_winners(ARG, o_r, n_rows, i_j, n_j, lq)
-    b_w = tl.where(b_w >= 0, b_w, ld)
-    b_sorted = tl.sort(tl.where(m_r, b_w * R_PAD + o_r, 2147483647))
-    p_csr = CSR + i_j * (n_rows + ld + 1)
-    tl.store(p_csr + o_r, (b_sorted % R_PAD).to(tl.int16), mask=m_r)
-    # padding rows and rows without a winner count in bin ld, past every token
-    b_count = tl.histogram(b_w, T_BINS)
+    return tl.where(b_w >= 0, b_w, ld)
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_groups"])
+def maxsim_bwd_count_kernel(ARG, COUNTS, n_q, n_j, lq, ld, n_groups, GROUP: tl.constexpr, T_BINS: tl.constexpr):
+    """``COUNTS[j, g, t]``: rows of group ``g`` (GROUP rows) that picked token ``t`` of
+    document ``j`` (``t = ld``: no winner).  16-bit, read as unsigned."""
+    pid = tl.program_id(0)
+    i_j = (pid // n_groups).to(tl.int64)
+    i_g = pid % n_groups
+    n_rows = n_q * lq
+    b_w = _winner_keys(ARG, i_g * GROUP + tl.arange(0, GROUP), n_rows, i_j, n_j, lq, ld)
+    b_count = tl.histogram(b_w, T_BINS)   # padding rows past n_rows count at ld: nothing after them
     o_b = tl.arange(0, T_BINS)
-    tl.store(p_csr + n_rows + o_b, (tl.cumsum(b_count, 0) - b_count).to(tl.int16), mask=o_b <= ld)
+    tl.store(COUNTS + (i_j * n_groups + i_g) * (ld + 1) + o_b, b_count.to(tl.int16), mask=o_b <= ld)
+
+
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_groups"])
+def maxsim_bwd_place_kernel(
+    ARG, COUNTS, CSR, n_q, n_j, lq, ld, n_groups,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, T_BINS: tl.constexpr,
+):
+    """``CSR[j] = [rows (n_q * lq), starts (ld + 1)]``, 16-bit, read as unsigned (row ids
+    and starts go up to 32768): document ``j``'s query rows in (winner, row) order, rows
+    without a winner last, and where each token's rows start.  One program per (document,
+    group of rows); ``COUNTS`` from :func:`maxsim_bwd_count_kernel`."""
+    pid = tl.program_id(0)
+    i_j = (pid // n_groups).to(tl.int64)
+    i_g = pid % n_groups
+    n_rows = n_q * lq
+    o_b = tl.arange(0, T_BINS)
+    m_b = o_b <= ld
+    p_counts = COUNTS + i_j * n_groups * (ld + 1) + o_b
+    b_total = tl.zeros([T_BINS], tl.int32)
+    b_before = tl.zeros([T_BINS], tl.int32)
+    for g in range(0, n_groups):
+        b_c = _unsigned16(tl.load(p_counts + g * (ld + 1), mask=m_b, other=0))
+        b_total += b_c
+        b_before += tl.where(g < i_g, b_c, 0)
+    b_starts = tl.cumsum(b_total, 0) - b_total
+    p_csr = CSR + i_j * (n_rows + ld + 1)
+    if i_g == 0:
+        tl.store(p_csr + n_rows + o_b, b_starts.to(tl.int16), mask=m_b)
+    b_slot = b_starts + b_before                      # the group's first free slot per token
+    o_c = tl.arange(0, CHUNK)
+    # winners fetched one chunk ahead: 16-bit gathers, each a full memory latency
+    b_w_next = _winner_keys(ARG, i_g * GROUP + o_c, n_rows, i_j, n_j, lq, ld)
+    for c0 in range(0, GROUP, CHUNK):
+        b_w = b_w_next
+        o_r = i_g * GROUP + c0 + o_c
+        b_w_next = _winner_keys(ARG, o_r + CHUNK, n_rows, i_j, n_j, lq, ld)
+        earlier = (b_w[None, :] == b_w[:, None]) & (o_c[None, :] < o_c[:, None])        # [C, C]
+        b_pos = tl.gather(b_slot, b_w, 0) + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(p_csr + b_pos, o_r.to(tl.int16), mask=o_r < n_rows)
+        b_slot += tl.histogram(b_w, T_BINS)
 
 
 @triton.jit
@@ -369,7 +415,7 @@ def maxsim_bwd_doc_kernel(
     WITH_GATHER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
     GUARD_ROWS: tl.constexpr, SORTED: tl.constexpr,
 ):
-    """``lowmem`` grad_D (``SORTED``: from the CSR of :func:`maxsim_bwd_sort_kernel`); with
+    """``lowmem`` grad_D (``SORTED``: from the CSR of :func:`maxsim_bwd_place_kernel`); with
     ``WITH_GATHER`` the first ``n_gather_programs`` programs compute grad_Q (the gather,
     unsplit) in the same launch: one launch less per step, which is what bounds the small
     training shapes on the host."""

@@ -13,8 +13,8 @@ import torch
 from ..common import inverse_norms
 from . import direct
 from .backward import (
-    maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_sort_kernel, maxsim_bwd_winners_kernel,
-    project_rows_kernel,
+    maxsim_bwd_count_kernel, maxsim_bwd_gather_kernel, maxsim_bwd_place_kernel, maxsim_bwd_ring_kernel,
+    maxsim_bwd_winners_kernel, project_rows_kernel,
 )
 from .direct import launch
 from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2
@@ -68,6 +68,10 @@ RING_ENABLED = False
 # whole document's rows in registers.
 SORTED_LOWMEM = True
 SORTED_MAX_ROWS = 1 << 15
+# The sort runs SORT_GROUPS programs per document at most, each placing its rows CHUNK by
+# CHUNK (a [CHUNK, CHUNK] comparison ranks equal winners within a chunk).
+SORT_GROUPS = 16
+SORT_CHUNK = 64
 # fp8 inference forward: an elementwise running max over the document tiles, reduced
 # across columns once at the end instead of a cross-thread reduction per tile.  The fp8
 # MMA is twice as fast, so the CUDA-core epilogue is its bottleneck; on an H100 this made
@@ -396,16 +400,22 @@ def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize, d_pad):
 
 
 def _sort_rows_by_winner(argmax, nq, nj, lq, ld):
-    """The cross product's argmax as a CSR per document (:func:`maxsim_bwd_sort_kernel`):
-    ``[nj, nq*lq + ld + 1]`` 16-bit -- the query rows sorted by winner, then each token's start."""
+    """The cross product's argmax as a CSR per document: ``[nj, nq*lq + ld + 1]`` 16-bit --
+    the query rows sorted by winner, then each token's start (``backward.py``: the count
+    and place kernels).  Groups of rows are sized so that at most SORT_GROUPS run per
+    document; their counts (a temporary of nj * groups * (ld + 1) 16-bit) are freed here."""
     n_rows = nq * lq
-    csr = torch.empty((nj, n_rows + ld + 1), dtype=torch.int16, device=argmax.device)
     r_pad = next_pow2(n_rows)
-    meta = dict(R_PAD=r_pad, T_BINS=next_pow2(ld + 1))
-    if not interpreting():
-        # one program holds the document's rows: about 32 sort keys per thread
-        meta["num_warps"] = max(4, min(16, r_pad // 1024))
-    launch(maxsim_bwd_sort_kernel, (nj,), (argmax, csr, nq, nj, lq, ld), meta)
+    group = max(SORT_CHUNK, r_pad // SORT_GROUPS)
+    n_groups = cdiv(n_rows, group)
+    t_bins = next_pow2(ld + 1)
+    counts = torch.empty((nj, n_groups, ld + 1), dtype=torch.int16, device=argmax.device)
+    csr = torch.empty((nj, n_rows + ld + 1), dtype=torch.int16, device=argmax.device)
+    warps = {} if interpreting() else {"num_warps": 4}
+    launch(maxsim_bwd_count_kernel, (nj * n_groups,), (argmax, counts, nq, nj, lq, ld, n_groups),
+           dict(GROUP=group, T_BINS=t_bins, **warps))
+    launch(maxsim_bwd_place_kernel, (nj * n_groups,), (argmax, counts, csr, nq, nj, lq, ld, n_groups),
+           dict(GROUP=group, CHUNK=min(SORT_CHUNK, group), T_BINS=t_bins, **warps))
     return csr
 
 
@@ -423,11 +433,59 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
     rd = inverse_norms(D) if normalize else placeholder
     s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
     d_pad = max(16, next_pow2(dim))
-    grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if need_q else None
     if Q.numel() == 0 or D.numel() == 0 or grad.numel() == 0:
-        return (None if grad_q is None else grad_q.zero_()), (D.new_zeros(D.shape) if need_d else None)
-
+        return (torch.zeros_like(Q, memory_format=torch.contiguous_format) if need_q else None), \
+            (D.new_zeros(D.shape) if need_d else None)
     scatter = need_d and strategy == "unified"
+    block_s, block_j, n_gather, n_split, _ = _gather_blocking(nq, nj, lq, d_pad)
+    f32_dot = Q.dtype != torch.bfloat16
+    lowmem_meta = dict(
+        NORMALIZE=bool(normalize), F32_DOT=f32_dot, PRECISION=_precision(Q.dtype),
+        UPCAST=interpreting() and Q.dtype == torch.bfloat16, BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad,
+    )
+
+    def lowmem_args(grad_d, gather_into, n_gather):
+        # the two lowmem grad_D kernels take the same arguments (the gather may ride along)
+        return (
+            grad, Q, D, rq, rd, argmax, grad_d, placeholder if gather_into is None else gather_into,
+            nq, nj, lq, ld, dim,
+            grad.stride(0), grad.stride(1),
+            Q.stride(0), Q.stride(1), Q.stride(2),
+            s_di, s_dj, s_dt, s_dh,
+            s_rdi, s_rdj, argmax.stride(0),
+            n_gather,
+        )
+
+    def doc_launch(grad_d, gather_into, n_gather, csr=None):
+        n_docs = nj if cross else nq * nj
+        # sorted rows never include one without a winner: nothing to guard
+        guard_rows = q_masked and csr is None
+        kernel, meta, after_launch = doc_kernel_and_meta(
+            d_pad=d_pad, n_programs_at_64=n_docs * cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
+            normalize=normalize, with_gather=n_gather > 0, dtype=Q.dtype, guard_rows=guard_rows,
+            sorted_rows=csr is not None,
+        )
+        launch(kernel, lambda m: (n_gather + n_docs * cdiv(ld, m["BLOCK_T"]),),
+               (*lowmem_args(grad_d, gather_into, n_gather), placeholder if csr is None else csr),
+               dict(CROSS=cross, GUARD_ROWS=guard_rows, SORTED=csr is not None, WITH_GATHER=n_gather > 0,
+                    **lowmem_meta, **meta))
+        if after_launch is not None:
+            after_launch()
+
+    if need_d and not scatter and cross and SORTED_LOWMEM and nq * lq <= SORTED_MAX_ROWS:
+        # Rows sorted by winner.  Order for the peak: the CSR (the argmax's size) lives only
+        # while grad_D is built, and grad_Q is allocated and gathered after it is freed.
+        csr = _sort_rows_by_winner(argmax, nq, nj, lq, ld)
+        grad_d = torch.empty(D.shape, dtype=D.dtype, device=device)
+        doc_launch(grad_d, None, 0, csr)
+        del csr
+        grad_q = None
+        if need_q:
+            grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format)
+            _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, None, cross=cross, normalize=normalize)
+        return grad_q, grad_d
+
+    grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if need_q else None
     # fp32 inputs without normalisation scatter straight into grad_D; otherwise an fp32
     # buffer is needed, and for the cross product it is bounded: slab by slab from the host
     # above UNIFIED_BUFFER_BYTES (grad_Q then gets its own gather pass).  The one-launch
@@ -451,7 +509,6 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
         grad_d = torch.zeros(D.shape, dtype=D.dtype, device=device) if direct or winners else \
             torch.empty(D.shape, dtype=D.dtype, device=device)
     # lowmem with both gradients and no split: grad_Q's gather rides in the grad_D launch
-    block_s, block_j, n_gather, n_split, _ = _gather_blocking(nq, nj, lq, d_pad)
     fused_gather = need_q and need_d and not scatter and n_split == 1
     if (need_q and not fused_gather) or scatter:
         gd32 = None
@@ -473,42 +530,13 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
                 _gather_pass(grad[:, j0:j1], Q, D[j0:j1], argmax[:, j0:j1], rq, rd_slab,
                              None, chunk, cross=True, normalize=normalize)
                 _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
-    f32_dot = Q.dtype != torch.bfloat16
     n_gather = n_gather if fused_gather else 0
-    sort_rows = need_d and not scatter and cross and SORTED_LOWMEM and nq * lq <= SORTED_MAX_ROWS
-    csr = placeholder
-    if sort_rows:
-        csr = _sort_rows_by_winner(argmax, nq, nj, lq, ld)
-    # the two lowmem grad_D kernels take the same arguments (the gather rides along in both)
-    lowmem_args = (
-        grad, Q, D, rq, rd, argmax, grad_d, grad_q if fused_gather else placeholder,
-        nq, nj, lq, ld, dim,
-        grad.stride(0), grad.stride(1),
-        Q.stride(0), Q.stride(1), Q.stride(2),
-        s_di, s_dj, s_dt, s_dh,
-        s_rdi, s_rdj, argmax.stride(0),
-        n_gather,
-    )
-    lowmem_meta = dict(
-        NORMALIZE=bool(normalize), F32_DOT=f32_dot, PRECISION=_precision(Q.dtype),
-        UPCAST=interpreting() and Q.dtype == torch.bfloat16,
-        WITH_GATHER=fused_gather, BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad,
-    )
+    gather_into = grad_q if fused_gather else None
     if winners:
-        launch(maxsim_bwd_winners_kernel, (n_gather + nq * nj,), lowmem_args, dict(
-            BLOCK_SW=max(16, next_pow2(lq)), **lowmem_meta,
+        launch(maxsim_bwd_winners_kernel, (n_gather + nq * nj,), lowmem_args(grad_d, gather_into, n_gather), dict(
+            BLOCK_SW=max(16, next_pow2(lq)), WITH_GATHER=fused_gather, **lowmem_meta,
             **({} if interpreting() else {"num_warps": 4 if d_pad <= 128 else 8, "num_stages": 1}),
         ))
     elif need_d and not scatter:
-        n_docs = nj if cross else nq * nj
-        # sorted rows never include one without a winner: nothing to guard
-        guard_rows = q_masked and not sort_rows
-        kernel, meta, after_launch = doc_kernel_and_meta(
-            d_pad=d_pad, n_programs_at_64=n_docs * cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
-            normalize=normalize, with_gather=fused_gather, dtype=Q.dtype, guard_rows=guard_rows, sorted_rows=sort_rows,
-        )
-        launch(kernel, lambda m: (n_gather + n_docs * cdiv(ld, m["BLOCK_T"]),), (*lowmem_args, csr),
-               dict(CROSS=cross, GUARD_ROWS=guard_rows, SORTED=sort_rows, **lowmem_meta, **meta))
-        if after_launch is not None:
-            after_launch()
+        doc_launch(grad_d, gather_into, n_gather)
     return grad_q, grad_d
