@@ -2,7 +2,7 @@
 
 ``unified`` with its fp32 buffer capped at 64 / 16 / 4 MiB (``launch.UNIFIED_BUFFER_BYTES``:
 above the cap the documents are scattered slab by slab from the host) and ``lowmem``
-(destination-owned, no fp32 buffer; its rows sorted by winner first, and ``lowmem dense``: every
+(destination-owned, no fp32 buffer; each tile lists its rows first, and ``lowmem dense``: every
 query row against every tile) and the one-launch ring at 32 / 16 slabs, measured as ``bench_kernels.py`` measures a training
 step (median over rotating inputs; peak above the inputs, gradients included).
 
@@ -50,7 +50,7 @@ def main(out, only="", variants=""):
                     launch.RING_ENABLED, launch.RING_SLABS = True, cap
                     return lik.maxsim(Q, D, backward="unified")
                 launch.RING_ENABLED = False
-                launch.SORTED_LOWMEM = strategy != "dense"
+                launch.COMPACT_LOWMEM = strategy != "dense"
                 if strategy == "dense":
                     strategy = "lowmem"
                 if cap is not None:
@@ -59,7 +59,7 @@ def main(out, only="", variants=""):
             ms, peak, err = bench_one(step, shape, sets, ref32, 30)
             launch.UNIFIED_BUFFER_BYTES = 64 << 20
             launch.RING_ENABLED, launch.RING_SLABS = ring_default
-            launch.SORTED_LOWMEM = True
+            launch.COMPACT_LOWMEM = True
             rows.append({"shape": shape.name, "variant": name, "ms": ms, "peak_mib": peak / 2**20, "err": err})
             print(f"{shape.name:24s} {name:14s} {ms:8.3f} ms  peak {peak / 2**20:7.1f} MiB  err {err:.1e}", flush=True)
         del sets

@@ -6,11 +6,11 @@
   guard) against the forward with argmax (the same FLOPs) and the
   ``unified`` backward (atomics into an fp32 buffer): the ring (two slabs) and one slab.
 
-* sorted (cross product): the sort (rows by winner, per document: count + place kernels)
-  alone, then the one-hot kernel walking only the rows that hit its tile at the configs
-  that won its full sweep, against the dense walk's best config.
+* compact (cross product): the one-hot kernel where each tile first lists the rows that
+  hit it (two scans of the document's winners), config by config, against the dense
+  walk's best config (NOTES v9).
 
-Usage: python benchmarks/sweep_doc.py OUT_JSON [cross|ring|candidates|sorted|all]   (ring: cross without the configs)
+Usage: python benchmarks/sweep_doc.py OUT_JSON [cross|ring|candidates|compact|all]   (ring: cross without the configs)
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _unit(*shape):
     return torch.nn.functional.normalize(torch.randn(*shape, device="cuda", dtype=torch.bfloat16), dim=-1)
 
 
-def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg, guard=True, csr=None):
+def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg, guard=True, rows=None):
     nq, lq, _ = Q.shape
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
     n_docs = nj if cross else nq * nj
@@ -43,10 +43,11 @@ def _doc_launch(g, Q, D, arg, gd, gq, *, cross, n_gather, block_j, block_s, cfg,
     ph = launch._placeholder(Q.device, torch.float32)
     maxsim_bwd_doc_kernel[(n_gather + n_docs * triton.cdiv(ld, cfg.kwargs["BLOCK_T"]),)](
         g, Q, D, ph, ph, arg, gd, gq, nq, nj, lq, ld, Q.shape[-1], g.stride(0), g.stride(1),
-        *Q.stride(), *s_d, 0, 0, arg.stride(0), n_gather, ph if csr is None else csr,
+        *Q.stride(), *s_d, 0, 0, arg.stride(0), n_gather, ph if rows is None else rows,
         CROSS=cross, NORMALIZE=False, F32_DOT=False, PRECISION="tf32", UPCAST=False,
         D_PAD=128, WITH_GATHER=n_gather > 0, BLOCK_J=block_j, BLOCK_S=block_s,
-        GUARD_ROWS=guard and csr is None, SORTED=csr is not None,
+        GUARD_ROWS=guard and rows is None, COMPACT=rows is not None,
+        SCAN=min(launch.COMPACT_SCAN, triton.next_power_of_2(nq * lq)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs,
     )
 
@@ -119,40 +120,35 @@ def sweep_cross(rows, configs=True):
         torch.cuda.empty_cache()
 
 
-SORTED_CONFIGS = [triton.Config({"BLOCK_T": 32, "BLOCK_R": 128}, num_warps=4, num_stages=st) for st in (2, 3)]
 DENSE_CONFIGS = [triton.Config({"BLOCK_T": 128, "BLOCK_R": 64}, num_warps=4, num_stages=2)]
 
 
-def sweep_sorted(rows):
+def sweep_compact(rows):
     for name, nq, nd, lq, ld in CROSS_SHAPES:
-        if nq * lq > launch.SORTED_MAX_ROWS:
+        if nq * lq > launch.COMPACT_MAX_ROWS:
             continue
         Q, D = _unit(nq, lq, 128), _unit(nd, ld, 128)
         _, arg = launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False, save_argmax=True)
         g = torch.randn(nq, nd, device="cuda")
         gd, gq = torch.empty_like(D), torch.empty_like(Q)
-        sort = lambda: launch._sort_rows_by_winner(arg, nq, nd, lq, ld)  # noqa: E731
-        csr = sort()
-        sort_ms = do_bench(sort)
-        row = {"shape": name, "sort_us": sort_ms * 1e3, "sorted": [], "dense": []}
-        print(f"{name}: sort rows by winner {sort_ms*1e3:.1f} us", flush=True)
-        # each kind at the configs that won the full sweeps (sorted: session 8, dense: NOTES v9)
-        for kind, kw, configs in (("sorted", {"csr": csr}, SORTED_CONFIGS), ("dense", {"guard": False}, DENSE_CONFIGS)):
+        lists = torch.empty((nd, nq * lq), dtype=torch.int16, device="cuda")
+        row = {"shape": name, "compact": [], "dense": []}
+        for kind, kw, configs in (("compact", {"rows": lists}, _configs(Q)), ("dense", {"guard": False}, DENSE_CONFIGS)):
             for cfg in configs:
                 ms = do_bench(lambda: _doc_launch(g, Q, D, arg, gd, gq, cross=True, n_gather=0, block_j=1, block_s=1,
                                                   cfg=cfg, **kw))
                 row[kind].append({"config": str(cfg), "us": ms * 1e3})
             best = min(row[kind], key=lambda r: r["us"])
-            print(f"   {kind:6s} best {best['config']:60s} {best['us']:8.1f} us", flush=True)
+            print(f"{name:24s} {kind:7s} best {best['config']:60s} {best['us']:8.1f} us", flush=True)
         rows.append(row)
-        del Q, D, gd, arg, csr
+        del Q, D, gd, arg, lists
         torch.cuda.empty_cache()
 
 
 def main(out, which="all"):
     rows = []
-    if which == "sorted":
-        sweep_sorted(rows)
+    if which == "compact":
+        sweep_compact(rows)
     if which in ("cross", "all", "ring"):
         sweep_cross(rows, configs=which != "ring")
     if which in ("candidates", "all"):

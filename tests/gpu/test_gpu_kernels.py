@@ -8,7 +8,7 @@ import torch
 import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
 from lik_plugins.kernels.triton import launch
-from maxsim_testlib import LaunchSpy, check_rows_sorted_by_winner
+from maxsim_testlib import LaunchSpy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -342,27 +342,20 @@ def test_direct_launch_replays_the_jit_bitwise(monkeypatch, case):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("nq,lq,ld,no_winner", [(1024, 32, 300, False), (256, 32, 256, True), (64, 32, 1030, True)],
-                         ids=["16-bit-limit", "colbert-256", "colpali-64"])
-def test_rows_sorted_by_winner_form_a_csr(nq, lq, ld, no_winner):
-    """The sort kernel at the sizes it serves: up to SORTED_MAX_ROWS rows, where the row ids
-    and the last start (32768) need the unsigned 16-bit read."""
-    assert nq * lq <= launch.SORTED_MAX_ROWS
-    g = torch.Generator(device="cuda").manual_seed(0)
-    argmax = torch.randint(-1 if no_winner else 0, ld, (nq, 3, lq), device="cuda", dtype=torch.int16, generator=g)
-    check_rows_sorted_by_winner(argmax, ld)
-
-
-@pytest.mark.parametrize("shape", [(256, 256, 32, 256, 128), (64, 64, 32, 1030, 128), (48, 40, 32, 1030, 96)])
-def test_sorted_and_dense_lowmem_agree(monkeypatch, shape):
-    """lowmem's grad_D from rows sorted by winner and from the dense one-hot walk: the same
-    sums in another order (bf16 gradients: within one rounding of each other)."""
+@pytest.mark.parametrize("shape", [(256, 256, 32, 256, 128), (64, 64, 32, 1030, 128), (48, 40, 32, 1030, 96),
+                                   (1024, 24, 32, 300, 128)],
+                         ids=["colbert-256", "colpali-64", "odd", "16-bit-row-ids"])
+def test_compact_and_dense_lowmem_agree(monkeypatch, shape):
+    """lowmem's grad_D from per-tile row lists and from the dense one-hot walk: the same
+    sums in another order (bf16 gradients: within one rounding of each other); at 32768
+    query rows the row ids fill the int16 scratch."""
     nq, nj, lq, ld, d = shape
+    assert nq * lq <= launch.COMPACT_MAX_ROWS
     Q, D, qm, dm = _inputs(nq, nj, lq, ld, d, torch.bfloat16, kd=False)
     Q.requires_grad_(); D.requires_grad_()
     grads = []
-    for sorted_rows in (True, False):
-        monkeypatch.setattr(launch, "SORTED_LOWMEM", sorted_rows)
+    for compact in (True, False):
+        monkeypatch.setattr(launch, "COMPACT_LOWMEM", compact)
         out = lik.maxsim(Q, D, qm, dm, backward="lowmem")
         grads.append(torch.autograd.grad(out, (Q, D), torch.ones_like(out)))
     assert torch.equal(grads[0][0], grads[1][0])          # grad_Q: the same gather

@@ -263,18 +263,3 @@ def gen(request) -> "torch.Generator":
     """Fresh random inputs per test (seeded from the test id, so reproducible)."""
     return generator(seed_of(request.node.nodeid))
 
-
-def check_rows_sorted_by_winner(argmax, ld):
-    """The launcher's CSR of an argmax ``[nq, nj, lq]`` equals a stable sort of each
-    document's winners (rows without one, -1, last) and the exclusive count per token."""
-    from lik_plugins.kernels.triton import launch
-
-    nq, nj, lq = argmax.shape
-    csr = launch._sort_rows_by_winner(argmax, nq, nj, lq, ld).to(torch.int64) & 0xFFFF
-    n_rows = nq * lq
-    for j in range(nj):
-        winners = argmax[:, j].reshape(-1).to(torch.int64)
-        keys = torch.where(winners >= 0, winners, ld)
-        counts = torch.bincount(keys, minlength=ld + 1)[: ld + 1]
-        assert torch.equal(csr[j, :n_rows], torch.sort(keys, stable=True).indices)
-        assert torch.equal(csr[j, n_rows:], torch.cumsum(counts, 0) - counts)

@@ -20,7 +20,7 @@ from lik_plugins._config import triton_interpret
 from lik_plugins.kernels import dispatch, reference
 from maxsim_testlib import (
     LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
-    noncontiguous_inputs, tied_inputs, check_rows_sorted_by_winner,
+    noncontiguous_inputs, tied_inputs,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -42,13 +42,15 @@ def _triton_backend(monkeypatch):
     monkeypatch.setenv("LIK_BACKEND", "triton")
 
 
-@pytest.fixture(params=["sorted", "dense"])
+@pytest.fixture(params=["compact", "dense"])
 def lowmem_rows(request, monkeypatch):
-    """Both ways the cross product's lowmem grad_D finds its rows: sorted by winner per
-    document first (``launch.SORTED_LOWMEM``), or every query row against every tile."""
+    """Both ways the cross product's lowmem grad_D finds its rows: each tile lists the rows
+    that picked one of its tokens first (``launch.COMPACT_LOWMEM``; a scan step of 16
+    winners, so the tiny shapes here take several), or every query row against every tile."""
     from lik_plugins.kernels.triton import launch
 
-    monkeypatch.setattr(launch, "SORTED_LOWMEM", request.param == "sorted")
+    monkeypatch.setattr(launch, "COMPACT_LOWMEM", request.param == "compact")
+    monkeypatch.setattr(launch, "COMPACT_SCAN", 16)
     return request.param
 
 
@@ -373,17 +375,6 @@ def test_exact_ties_go_to_the_lowest_index(gen, layout, backward, argmax_epilogu
     doc0 = gd.reshape(-1, ld, d)[0]
     assert doc0[3].abs().sum() > 0
     assert torch.equal(doc0[10], torch.zeros(d)) and torch.equal(doc0[67], torch.zeros(d))
-
-
-@pytest.mark.parametrize("nq,lq,ld", [(3, 5, 9), (4, 8, 70), (1, 1, 1), (2, 16, 3)],
-                         ids=["ragged", "pow2-rows", "one-row", "more-rows-than-tokens"])
-def test_rows_sorted_by_winner_form_a_csr(gen, nq, lq, ld):
-    """The sort kernel's CSR: per document, the query rows ordered by (winner, row), rows
-    without a winner (-1) last, and each token's start -- what a stable sort gives.  (The
-    16-bit limit, SORTED_MAX_ROWS rows, is checked on the GPU: 80 s in the interpreter.)"""
-    argmax = torch.randint(-1, ld, (nq, 3, lq), generator=gen, dtype=torch.int16)
-    argmax[0, 0] = -1  # a query with no winner at all in document 0
-    check_rows_sorted_by_winner(argmax, ld)
 
 
 def test_nan_in_masked_query_tokens_never_reaches_a_gradient(gen, lowmem_rows):

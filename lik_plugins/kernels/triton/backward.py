@@ -10,10 +10,8 @@
   tile as a one-hot ``[BLOCK_T, BLOCK_R]`` x ``[BLOCK_R, d]`` product, so no atomics, no
   fp32 buffer, bitwise deterministic, written once in the input dtype.  (A prefix-sum
   compaction of the hitting rows was tried and measured 1.3-3x slower on an H100:
-  see benchmarks/NOTES.md.)  With ``SORTED`` (cross product) the program reads only the
-  rows that picked a token of its tile: :func:`maxsim_bwd_count_kernel` and
-  :func:`maxsim_bwd_place_kernel` first list each document's query rows sorted by the
-  token they picked (a CSR of the argmax), so the
+  see benchmarks/NOTES.md.)  With ``COMPACT`` (cross product) a program first lists the
+  rows that picked a token of its tile (two scans of the document's winners), so the
   one-hot product walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``.
 * :func:`maxsim_bwd_winners_kernel` — ``lowmem`` for candidates and pairs: each document
   is owned by one query, so grad_D is zero-filled (memset speed) and only its winning rows
@@ -246,85 +244,10 @@ def _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s
     tl.store(p_gd, b_acc.to(GD.dtype.element_ty), mask=m_t[:, None] & m_h[None, :])
 
 
-# Rows sorted by winner: a stable counting sort of each document's query rows, keyed by
-# the token they picked (keys 0..ld, ``ld`` for "no winner").  Two launches, because a
-# row's place needs the counts of every row before it: COUNT takes a histogram per group
-# of GROUP rows, PLACE turns them into the group's first free slot per token (the token's
-# start plus the earlier groups' counts) and walks its rows in CHUNKs, each row going to
-# that slot plus the number of earlier rows of its chunk with the same token.  The order
-# within a token is the row order, so the CSR -- and every sum taken in it -- is the same
-# on every run.  (One program sorting a document with ``tl.sort`` took 0.46 ms at ColBERT
-# 256 and 11 ms at 1024 on an H100; benchmarks/NOTES.md v14.)
 @triton.jit
-def _winner_keys(ARG, o_r, n_rows, i_j, n_j, lq, ld):
-    """Sort keys of query rows ``o_r`` in document ``i_j``: the winning token, or ``ld``."""
-    b_w = _doc_winners(ARG, o_r, n_rows, i_j, n_j, lq)
-    return tl.where(b_w >= 0, b_w, ld)
-
-
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_groups"])
-def maxsim_bwd_count_kernel(ARG, COUNTS, n_q, n_j, lq, ld, n_groups, GROUP: tl.constexpr, T_BINS: tl.constexpr):
-    """``COUNTS[j, g, t]``: rows of group ``g`` (GROUP rows) that picked token ``t`` of
-    document ``j`` (``t = ld``: no winner).  16-bit, read as unsigned."""
-    pid = tl.program_id(0)
-    i_j = (pid // n_groups).to(tl.int64)
-    i_g = pid % n_groups
-    n_rows = n_q * lq
-    b_w = _winner_keys(ARG, i_g * GROUP + tl.arange(0, GROUP), n_rows, i_j, n_j, lq, ld)
-    b_count = tl.histogram(b_w, T_BINS)   # padding rows past n_rows count at ld: nothing after them
-    o_b = tl.arange(0, T_BINS)
-    tl.store(COUNTS + (i_j * n_groups + i_g) * (ld + 1) + o_b, b_count.to(tl.int16), mask=o_b <= ld)
-
-
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_groups"])
-def maxsim_bwd_place_kernel(
-    ARG, COUNTS, CSR, n_q, n_j, lq, ld, n_groups,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr, T_BINS: tl.constexpr,
-):
-    """``CSR[j] = [rows (n_q * lq), starts (ld + 1)]``, 16-bit, read as unsigned (row ids
-    and starts go up to 32768): document ``j``'s query rows in (winner, row) order, rows
-    without a winner last, and where each token's rows start.  One program per (document,
-    group of rows); ``COUNTS`` from :func:`maxsim_bwd_count_kernel`."""
-    pid = tl.program_id(0)
-    i_j = (pid // n_groups).to(tl.int64)
-    i_g = pid % n_groups
-    n_rows = n_q * lq
-    o_b = tl.arange(0, T_BINS)
-    m_b = o_b <= ld
-    p_counts = COUNTS + i_j * n_groups * (ld + 1) + o_b
-    b_total = tl.zeros([T_BINS], tl.int32)
-    b_before = tl.zeros([T_BINS], tl.int32)
-    for g in range(0, n_groups):
-        b_c = _unsigned16(tl.load(p_counts + g * (ld + 1), mask=m_b, other=0))
-        b_total += b_c
-        b_before += tl.where(g < i_g, b_c, 0)
-    b_starts = tl.cumsum(b_total, 0) - b_total
-    p_csr = CSR + i_j * (n_rows + ld + 1)
-    if i_g == 0:
-        tl.store(p_csr + n_rows + o_b, b_starts.to(tl.int16), mask=m_b)
-    b_slot = b_starts + b_before                      # the group's first free slot per token
-    o_c = tl.arange(0, CHUNK)
-    # winners fetched one chunk ahead: 16-bit gathers, each a full memory latency
-    b_w_next = _winner_keys(ARG, i_g * GROUP + o_c, n_rows, i_j, n_j, lq, ld)
-    for c0 in range(0, GROUP, CHUNK):
-        b_w = b_w_next
-        o_r = i_g * GROUP + c0 + o_c
-        b_w_next = _winner_keys(ARG, o_r + CHUNK, n_rows, i_j, n_j, lq, ld)
-        earlier = (b_w[None, :] == b_w[:, None]) & (o_c[None, :] < o_c[:, None])        # [C, C]
-        b_pos = tl.gather(b_slot, b_w, 0) + tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(p_csr + b_pos, o_r.to(tl.int16), mask=o_r < n_rows)
-        b_slot += tl.histogram(b_w, T_BINS)
-
-
-@triton.jit
-def _unsigned16(x):
-    return x.to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _sorted_doc_body(
+def _compact_doc_body(
     pid,
-    G, Q, D, RQ, RD, CSR, GD,
+    G, Q, D, RQ, RD, ARG, ROWS, GD,
     n_q, n_j, lq, ld, dim,
     s_gi, s_gj,
     s_qi, s_qs, s_qh,
@@ -332,37 +255,51 @@ def _sorted_doc_body(
     s_rdi, s_rdj,
     NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr, SCAN: tl.constexpr,
 ):
-    # The cross product's grad_D tile (document j, tokens t0..t0+BLOCK_T) from the rows that
-    # picked one of its tokens only: in the CSR they are one contiguous range, token by token,
-    # so the one-hot of a row is "its position lies in the token's range" -- no argmax load.
+    # The cross product's grad_D tile (document j, tokens t0..t1) from only the query rows
+    # whose winner lies in it.  The program lists them itself: one scan of the document's
+    # winners counts the rows that picked an earlier token (``base``), a second writes the
+    # hitting row ids, in row order, to ROWS[j, base:] -- a stretch no other program
+    # writes, since every row has one winner -- and the one-hot product then walks that
+    # list: Nq*Lq*BLOCK_T/Ld rows instead of all Nq*Lq.  Row order keeps the sums the same
+    # on every run.
     n_tb = tl.cdiv(ld, BLOCK_T)
     i_j = (pid // n_tb).to(tl.int64)
     t0 = (pid % n_tb) * BLOCK_T
+    t1 = tl.minimum(t0 + BLOCK_T, ld)
     o_t = t0 + tl.arange(0, BLOCK_T)
     o_h = tl.arange(0, D_PAD)
     o_r = tl.arange(0, BLOCK_R)
+    o_c = tl.arange(0, SCAN)
     m_t = o_t < ld
     m_h = o_h < dim
     n_rows = n_q * lq
-    p_rows = CSR + i_j * (n_rows + ld + 1)
-    p_starts = p_rows + n_rows
-    b_lo = _unsigned16(tl.load(p_starts + o_t, mask=m_t, other=0))                     # [BT]
-    b_hi = _unsigned16(tl.load(p_starts + o_t + 1, mask=m_t, other=0))
-    k_lo = _unsigned16(tl.load(p_starts + t0))
-    k_hi = _unsigned16(tl.load(p_starts + tl.minimum(t0 + BLOCK_T, ld)))
+    base = 0
+    for c0 in range(0, n_rows, SCAN):
+        b_w = _doc_winners(ARG, c0 + o_c, n_rows, i_j, n_j, lq)      # -1: no winner or padding
+        base += tl.sum(((b_w >= 0) & (b_w < t0)).to(tl.int32), axis=0)
+    p_rows = ROWS + i_j * n_rows + base
+    n_hits = 0
+    for c0 in range(0, n_rows, SCAN):
+        b_w = _doc_winners(ARG, c0 + o_c, n_rows, i_j, n_j, lq)
+        hit = (b_w >= t0) & (b_w < t1)
+        b_slot = n_hits + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        tl.store(p_rows + b_slot, (c0 + o_c).to(tl.int16), mask=hit)
+        n_hits += tl.sum(hit.to(tl.int32), axis=0)
+    tl.debug_barrier()   # the list, written by every thread of the program, is read by all
+    b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
     # 16-bit row ids are too narrow for the pipeliner's asynchronous copies: fetched one
     # step ahead by hand, as the dense kernel does with the argmax (NOTES v9)
-    b_r_next = _unsigned16(tl.load(p_rows + k_lo + o_r, mask=k_lo + o_r < k_hi, other=0))
-    b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_R):
+    b_r_next = tl.load(p_rows + o_r, mask=o_r < n_hits, other=0).to(tl.int32)
+    for k0 in range(0, n_hits, BLOCK_R):
         b_r = b_r_next
         o_k = k0 + o_r
-        b_r_next = _unsigned16(tl.load(p_rows + o_k + BLOCK_R, mask=o_k + BLOCK_R < k_hi, other=0))
-        m_k = o_k < k_hi
+        b_r_next = tl.load(p_rows + o_k + BLOCK_R, mask=o_k + BLOCK_R < n_hits, other=0).to(tl.int32)
+        m_k = o_k < n_hits
         i_q = b_r // lq
         i_s = b_r % lq
+        b_w = _doc_winners(ARG, b_r, n_rows, i_j, n_j, lq)
         b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_k, other=0.0)
         if NORMALIZE:
             b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_k, other=0.0)
@@ -370,13 +307,11 @@ def _sorted_doc_body(
                       mask=m_k[:, None] & m_h[None, :], other=0.0)                       # [BR, DP]
         if F32_DOT or UPCAST:
             b_q = b_q.to(tl.float32)
-        hit = (o_k[None, :] >= b_lo[:, None]) & (o_k[None, :] < b_hi[:, None])            # [BT, BR]
-        b_w = tl.where(hit, b_g[None, :], 0.0)
+        b_w1 = tl.where((b_w[None, :] == o_t[:, None]) & m_k[None, :], b_g[None, :], 0.0)  # [BT, BR]
         if not (F32_DOT or UPCAST):
-            b_w = b_w.to(b_q.dtype)   # bf16 operands, as in the dense kernel
-        b_acc = tl.dot(b_w, b_q, b_acc, input_precision=PRECISION)
-    i_doc = i_j
-    _store_grad_d(b_acc, D, RD, GD, i_doc * 0, i_j, i_doc, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
+            b_w1 = b_w1.to(b_q.dtype)   # bf16 operands, as in the dense kernel
+        b_acc = tl.dot(b_w1, b_q, b_acc, input_precision=PRECISION)
+    _store_grad_d(b_acc, D, RD, GD, i_j * 0, i_j, i_j, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
                   s_rdi, s_rdj, NORMALIZE)
 
 
@@ -408,17 +343,17 @@ def maxsim_bwd_doc_kernel(
     s_qi, s_qs, s_qh,
     s_di, s_dj, s_dt, s_dh,
     s_rdi, s_rdj, s_ai,
-    n_gather_programs, CSR,
+    n_gather_programs, ROWS,
     CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
     WITH_GATHER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-    GUARD_ROWS: tl.constexpr, SORTED: tl.constexpr,
+    GUARD_ROWS: tl.constexpr, COMPACT: tl.constexpr = False, SCAN: tl.constexpr = 1024,
 ):
-    """``lowmem`` grad_D (``SORTED``: from the CSR of :func:`maxsim_bwd_place_kernel`); with
-    ``WITH_GATHER`` the first ``n_gather_programs`` programs compute grad_Q (the gather,
-    unsplit) in the same launch: one launch less per step, which is what bounds the small
-    training shapes on the host."""
+    """``lowmem`` grad_D (``COMPACT``: each tile lists its own rows first, into ``ROWS``, an
+    int16 scratch the size of the argmax); with ``WITH_GATHER`` the first
+    ``n_gather_programs`` programs compute grad_Q (the gather, unsplit) in the same launch:
+    one launch less per step, which is what bounds the small training shapes on the host."""
     pid = tl.program_id(0)
     if WITH_GATHER:
         if pid < n_gather_programs:
@@ -429,31 +364,31 @@ def maxsim_bwd_doc_kernel(
             )
         else:
             _grad_d_tile(
-                pid - n_gather_programs, G, Q, D, RQ, RD, ARG, CSR, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj,
+                pid - n_gather_programs, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj,
                 s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION,
-                UPCAST, BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS, SORTED,
+                UPCAST, BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS, COMPACT, SCAN,
             )
     else:
         _grad_d_tile(
-            pid, G, Q, D, RQ, RD, ARG, CSR, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+            pid, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
             s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST,
-            BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS, SORTED,
+            BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS, COMPACT, SCAN,
         )
 
 
 @triton.jit
 def _grad_d_tile(
-    pid, G, Q, D, RQ, RD, ARG, CSR, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+    pid, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
     s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj,
     CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
-    GUARD_ROWS: tl.constexpr, SORTED: tl.constexpr,
+    GUARD_ROWS: tl.constexpr, COMPACT: tl.constexpr, SCAN: tl.constexpr,
 ):
-    if SORTED:
-        _sorted_doc_body(
-            pid, G, Q, D, RQ, RD, CSR, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
+    if COMPACT:
+        _compact_doc_body(
+            pid, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
             s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, NORMALIZE, F32_DOT, PRECISION, UPCAST,
-            BLOCK_T, BLOCK_R, D_PAD,
+            BLOCK_T, BLOCK_R, D_PAD, SCAN,
         )
     else:
         _doc_body(

@@ -13,8 +13,7 @@ import torch
 from ..common import inverse_norms
 from . import direct
 from .backward import (
-    maxsim_bwd_count_kernel, maxsim_bwd_gather_kernel, maxsim_bwd_place_kernel, maxsim_bwd_ring_kernel,
-    maxsim_bwd_winners_kernel, project_rows_kernel,
+    maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
 )
 from .direct import launch
 from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2
@@ -61,17 +60,13 @@ RING_SLABS = 32
 # fp32 buffer (slab by slab above UNIFIED_BUFFER_BYTES).  The kernel and its tests stay
 # for that work (tests/gpu switch it on and expect the failure).
 RING_ENABLED = False
-# lowmem for the cross product: sort each document's query rows by the token they picked
-# (one launch, a CSR of the argmax) so a grad_D tile multiplies only the rows that hit it,
-# Nq*Lq*BLOCK_T/Ld rows instead of all Nq*Lq.  Row ids and starts are kept in 16 bits (the
-# CSR is as big as the argmax), so up to SORTED_MAX_ROWS query rows; one program sorts a
-# whole document's rows in registers.
-SORTED_LOWMEM = True
-SORTED_MAX_ROWS = 1 << 15
-# The sort runs SORT_GROUPS programs per document at most, each placing its rows CHUNK by
-# CHUNK (a [CHUNK, CHUNK] comparison ranks equal winners within a chunk).
-SORT_GROUPS = 16
-SORT_CHUNK = 64
+# lowmem for the cross product: each grad_D tile first lists the query rows whose winner
+# lies in it (two scans of the document's winners, the list in an int16 scratch the size
+# of the argmax), so its one-hot product walks Nq*Lq*BLOCK_T/Ld rows instead of all Nq*Lq.
+# Row ids are 16-bit: up to COMPACT_MAX_ROWS query rows; the scans read SCAN winners a step.
+COMPACT_LOWMEM = True
+COMPACT_MAX_ROWS = 1 << 15
+COMPACT_SCAN = 4096
 # fp8 inference forward: an elementwise running max over the document tiles, reduced
 # across columns once at the end instead of a cross-thread reduction per tile.  The fp8
 # MMA is twice as fast, so the CUDA-core epilogue is its bottleneck; on an H100 this made
@@ -399,26 +394,6 @@ def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize, d_pad):
     return grad_q, grad_d
 
 
-def _sort_rows_by_winner(argmax, nq, nj, lq, ld):
-    """The cross product's argmax as a CSR per document: ``[nj, nq*lq + ld + 1]`` 16-bit --
-    the query rows sorted by winner, then each token's start (``backward.py``: the count
-    and place kernels).  Groups of rows are sized so that at most SORT_GROUPS run per
-    document; their counts (a temporary of nj * groups * (ld + 1) 16-bit) are freed here."""
-    n_rows = nq * lq
-    r_pad = next_pow2(n_rows)
-    group = max(SORT_CHUNK, r_pad // SORT_GROUPS)
-    n_groups = cdiv(n_rows, group)
-    t_bins = next_pow2(ld + 1)
-    counts = torch.empty((nj, n_groups, ld + 1), dtype=torch.int16, device=argmax.device)
-    csr = torch.empty((nj, n_rows + ld + 1), dtype=torch.int16, device=argmax.device)
-    warps = {} if interpreting() else {"num_warps": 4}
-    launch(maxsim_bwd_count_kernel, (nj * n_groups,), (argmax, counts, nq, nj, lq, ld, n_groups),
-           dict(GROUP=group, T_BINS=t_bins, **warps))
-    launch(maxsim_bwd_place_kernel, (nj * n_groups,), (argmax, counts, csr, nq, nj, lq, ld, n_groups),
-           dict(GROUP=group, CHUNK=min(SORT_CHUNK, group), T_BINS=t_bins, **warps))
-    return csr
-
-
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, q_masked=True):
     """``strategy``: ``"lowmem"`` (destination-owned grad_D, deterministic, no fp32 buffer)
     or ``"unified"`` (gather + atomic scatter in one pass over the argmax).  ``q_masked``:
@@ -456,29 +431,29 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
             n_gather,
         )
 
-    def doc_launch(grad_d, gather_into, n_gather, csr=None):
+    def doc_launch(grad_d, gather_into, n_gather, rows=None):
         n_docs = nj if cross else nq * nj
-        # sorted rows never include one without a winner: nothing to guard
-        guard_rows = q_masked and csr is None
+        # a listed row always has a winner: nothing to guard
+        guard_rows = q_masked and rows is None
         kernel, meta, after_launch = doc_kernel_and_meta(
             d_pad=d_pad, n_programs_at_64=n_docs * cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
             normalize=normalize, with_gather=n_gather > 0, dtype=Q.dtype, guard_rows=guard_rows,
-            sorted_rows=csr is not None,
+            compact=rows is not None,
         )
+        extra = {} if rows is None else {"COMPACT": True, "SCAN": min(COMPACT_SCAN, next_pow2(nq * lq))}
         launch(kernel, lambda m: (n_gather + n_docs * cdiv(ld, m["BLOCK_T"]),),
-               (*lowmem_args(grad_d, gather_into, n_gather), placeholder if csr is None else csr),
-               dict(CROSS=cross, GUARD_ROWS=guard_rows, SORTED=csr is not None, WITH_GATHER=n_gather > 0,
-                    **lowmem_meta, **meta))
+               (*lowmem_args(grad_d, gather_into, n_gather), placeholder if rows is None else rows),
+               dict(CROSS=cross, GUARD_ROWS=guard_rows, WITH_GATHER=n_gather > 0, **extra, **lowmem_meta, **meta))
         if after_launch is not None:
             after_launch()
 
-    if need_d and not scatter and cross and SORTED_LOWMEM and nq * lq <= SORTED_MAX_ROWS:
-        # Rows sorted by winner.  Order for the peak: the CSR (the argmax's size) lives only
-        # while grad_D is built, and grad_Q is allocated and gathered after it is freed.
-        csr = _sort_rows_by_winner(argmax, nq, nj, lq, ld)
+    if need_d and not scatter and cross and COMPACT_LOWMEM and nq * lq <= COMPACT_MAX_ROWS:
+        # Order for the peak: the row lists (the argmax's size) live only while grad_D is
+        # built, and grad_Q is allocated and gathered after they are freed.
+        rows = torch.empty((nj, nq * lq), dtype=torch.int16, device=device)
         grad_d = torch.empty(D.shape, dtype=D.dtype, device=device)
-        doc_launch(grad_d, None, 0, csr)
-        del csr
+        doc_launch(grad_d, None, 0, rows)
+        del rows
         grad_q = None
         if need_q:
             grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format)

@@ -150,14 +150,14 @@ def _doc_prune(configs, named_args, **kwargs):
 
 _tuned_doc = triton.autotune(
     configs=_doc_configs(),
-    key=["CROSS", "D_PAD", "F32_DOT", "NORMALIZE", "WITH_GATHER", "GUARD_ROWS", "SORTED"],
+    key=["CROSS", "D_PAD", "F32_DOT", "NORMALIZE", "WITH_GATHER", "GUARD_ROWS", "COMPACT"],
     prune_configs_by={"early_config_prune": _doc_prune},
     **_autotune_kwargs(),
 )(maxsim_bwd_doc_kernel)
 
 
 def doc_kernel_and_meta(*, d_pad, n_programs_at_64, cross, f32_dot, normalize, with_gather, dtype, guard_rows,
-                        sorted_rows=False):
+                        compact=False):
     """lowmem grad_D kernel, its meta-parameters and an after-launch callback, as
     :func:`forward_kernel_and_meta`.  The grid depends on BLOCK_T, so callers pass a grid
     function of the meta-parameters."""
@@ -168,7 +168,7 @@ def doc_kernel_and_meta(*, d_pad, n_programs_at_64, cross, f32_dot, normalize, w
             meta.update(num_warps=4, num_stages=2)
         return maxsim_bwd_doc_kernel, meta, None
     key = ("doc", bool(cross), d_pad, bool(f32_dot), bool(normalize), bool(with_gather), bool(guard_rows),
-           bool(sorted_rows), dtype)
+           bool(compact), dtype)
     config = _chosen.get(key)
     if config is not None:
         return maxsim_bwd_doc_kernel, dict(config), None
