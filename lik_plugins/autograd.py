@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.common import COMPACT_MAX_ROWS
 from .kernels.dispatch import implementation
 
 BACKWARD_STRATEGIES = ("auto", "unified", "lowmem")
@@ -15,9 +16,8 @@ BACKWARD_STRATEGIES = ("auto", "unified", "lowmem")
 # The unified backward runs one program per (query, 32 query tokens): below one program per
 # SM of an H100 it cannot fill the GPU.
 UNIFIED_MIN_PROGRAMS = 132
-# Short documents, small batches: the fp32 buffer of unified (Nd * Ld * d * 4 bytes) would
-# be at most this big -- and more than the whole rest of the step's memory.
-LOWMEM_BUFFER_BYTES = 32 << 20
+# Short documents (ColBERT): lowmem up to this length, where its tiles list their rows.
+LOWMEM_MAX_LD = 256
 
 
 def choose_backward(strategy: str, *, cross: bool, shape: tuple[int, int, int, int, int] | None = None) -> str:
@@ -26,19 +26,20 @@ def choose_backward(strategy: str, *, cross: bool, shape: tuple[int, int, int, i
     * per-query candidates and pairs: ``lowmem`` — each document is owned by one query,
       so destination-owned gradients have no contention, need no fp32 buffer and are
       deterministic; atomics would buy nothing.
-    * in-batch cross product: ``unified`` — one pass over the argmax that gathers for
-      grad_Q and scatters ``g * q`` into fp32 with relaxed atomics (slab by slab from the
-      host above 64 MiB of buffer) — except where ``lowmem`` (a one-hot product per
-      document tile, as many FLOPs as the forward) measured better on an H100
-      (benchmarks/NOTES.md v11, results/h100/sweep_backward_memory.json):
-      - fewer than ``UNIFIED_MIN_PROGRAMS`` query programs (ColPali 64: lowmem 0.47 ms at
-        17 MiB against unified 0.74 ms at 49 MiB);
-      - short documents (Ld <= 256) whose fp32 buffer is at most ``LOWMEM_BUFFER_BYTES``
-        (ColBERT 256: lowmem 1.05 ms at 22 MiB against unified 0.87 ms at 54 MiB; the
-        peers use 26-58 MiB): there the buffer would double the step's memory for 20 %.
-      Above that (ColBERT 1024: 12.7 against 17.4 ms; ColPali 256: 1.9 against 4.1 ms)
-      ``unified`` wins by too much.  The price of ``unified`` is run-to-run rounding
-      differences in grad_D; pass ``backward="lowmem"`` for bitwise determinism.
+    * in-batch cross product: ``lowmem`` where it measured best on an H100 (each grad_D
+      tile lists the query rows that picked one of its tokens, then multiplies only those;
+      benchmarks/NOTES.md v14, results/h100/sweep_compact_step.json), else ``unified`` --
+      one pass over the argmax that gathers for grad_Q and scatters ``g * q`` into fp32
+      with relaxed atomics (slab by slab from the host above 64 MiB of buffer):
+      - short documents (Ld <= ``LOWMEM_MAX_LD``) with at most ``COMPACT_MAX_ROWS`` query
+        rows: ColBERT 256 lowmem 0.75 ms at 24 MiB against unified 0.87 at 54 MiB,
+        ColBERT 1024 9.6 ms at 196 MiB against 12.7 at 204;
+      - fewer than ``UNIFIED_MIN_PROGRAMS`` query programs, where unified cannot fill the
+        GPU (ColPali 64: lowmem 0.35-0.47 ms at 17 MiB against unified 0.55-0.74 at 49);
+      - otherwise unified (ColPali 256: 1.94 ms at 134 MiB against lowmem 2.09 at 73;
+        beyond COMPACT_MAX_ROWS lowmem walks every row per tile: ColBERT 1024 17.5 ms).
+      ``unified`` rounds grad_D differently from run to run; pass ``backward="lowmem"``
+      for bitwise determinism.
     """
     if strategy not in BACKWARD_STRATEGIES:
         raise ValueError(f"backward must be one of {', '.join(map(repr, BACKWARD_STRATEGIES))}; got {strategy!r}")
@@ -50,7 +51,7 @@ def choose_backward(strategy: str, *, cross: bool, shape: tuple[int, int, int, i
         nq, lq, nd, ld, dim = shape
         if nq * -(-max(lq, 1) // 32) < UNIFIED_MIN_PROGRAMS:
             return "lowmem"
-        if ld <= 256 and nd * ld * dim * 4 <= LOWMEM_BUFFER_BYTES:
+        if ld <= LOWMEM_MAX_LD and nq * lq <= COMPACT_MAX_ROWS:
             return "lowmem"
     return "unified"
 

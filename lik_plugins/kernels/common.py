@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 
 NORM_EPS = 1e-12
+# The Triton lowmem backward lists each grad_D tile's query rows by 16-bit row id, so it
+# serves cross products of up to this many query rows (Nq * Lq); the backward choice
+# (autograd.choose_backward) reads it too.
+COMPACT_MAX_ROWS = 1 << 15
 
 
 def inverse_norms(x: torch.Tensor) -> torch.Tensor:

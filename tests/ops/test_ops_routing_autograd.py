@@ -124,8 +124,9 @@ def test_choose_backward():
     # (Nq, Lq, Nd, Ld, d) of the benchmark's in-batch training shapes
     assert choose_backward("auto", cross=True, shape=(2, 4, 2, 9, 16)) == AUTO["cross"]
     assert choose_backward("auto", cross=True, shape=(64, 32, 64, 1030, 128)) == "lowmem"     # 64 programs
-    assert choose_backward("auto", cross=True, shape=(256, 32, 256, 256, 128)) == "lowmem"    # 32 MiB buffer
-    assert choose_backward("auto", cross=True, shape=(1024, 32, 1024, 256, 128)) == "unified"
+    assert choose_backward("auto", cross=True, shape=(256, 32, 256, 256, 128)) == "lowmem"    # short documents
+    assert choose_backward("auto", cross=True, shape=(1024, 32, 1024, 256, 128)) == "lowmem"  # 32768 query rows
+    assert choose_backward("auto", cross=True, shape=(1025, 32, 1024, 256, 128)) == "unified"  # one query more
     assert choose_backward("auto", cross=True, shape=(256, 32, 256, 1030, 128)) == "unified"  # long documents
     assert choose_backward("auto", cross=True, shape=(66, 64, 66, 1030, 128)) == "unified"    # 132 programs
     for strategy in ("lowmem", "unified"):

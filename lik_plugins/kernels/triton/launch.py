@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import inverse_norms
+from ..common import COMPACT_MAX_ROWS, inverse_norms
 from . import direct
 from .backward import (
     maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
@@ -63,10 +63,14 @@ RING_ENABLED = False
 # lowmem for the cross product: each grad_D tile first lists the query rows whose winner
 # lies in it (two scans of the document's winners, the list in an int16 scratch the size
 # of the argmax), so its one-hot product walks Nq*Lq*BLOCK_T/Ld rows instead of all Nq*Lq.
-# Row ids are 16-bit: up to COMPACT_MAX_ROWS query rows; the scans read SCAN winners a step.
+# Row ids are 16-bit: up to COMPACT_MAX_ROWS query rows (common.py); the scans read
+# COMPACT_SCAN winners a step.  On an H100 (NOTES v14, results/h100/sweep_compact_step.json)
+# a ColBERT 256 step went 1.05 -> 0.75 ms, ColBERT 1024 17.5 -> 9.6 ms, ColPali 256 4.1 -> 2.1.
+# Small shapes keep the dense walk (COMPACT_MIN_WORK): the gather then rides in its launch,
+# one launch and one allocation less, which is what a launch-bound step is made of.
 COMPACT_LOWMEM = True
-COMPACT_MAX_ROWS = 1 << 15
 COMPACT_SCAN = 4096
+COMPACT_MIN_WORK = 1 << 24   # Nq*Lq * Nd*Ld: the dense walk's one-hot size
 # fp8 inference forward: an elementwise running max over the document tiles, reduced
 # across columns once at the end instead of a cross-thread reduction per tile.  The fp8
 # MMA is twice as fast, so the CUDA-core epilogue is its bottleneck; on an H100 this made
@@ -447,7 +451,8 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
         if after_launch is not None:
             after_launch()
 
-    if need_d and not scatter and cross and COMPACT_LOWMEM and nq * lq <= COMPACT_MAX_ROWS:
+    if (need_d and not scatter and cross and COMPACT_LOWMEM and nq * lq <= COMPACT_MAX_ROWS
+            and nq * lq * nj * ld >= COMPACT_MIN_WORK):
         # Order for the peak: the row lists (the argmax's size) live only while grad_D is
         # built, and grad_Q is allocated and gathered after they are freed.
         rows = torch.empty((nj, nq * lq), dtype=torch.int16, device=device)
