@@ -42,15 +42,20 @@ def _triton_backend(monkeypatch):
     monkeypatch.setenv("LIK_BACKEND", "triton")
 
 
-@pytest.fixture(params=["compact", "dense"])
+@pytest.fixture(params=["compact", "compact-gather-after", "dense"])
 def lowmem_rows(request, monkeypatch):
-    """Both ways the cross product's lowmem grad_D finds its rows: each tile lists the rows
-    that picked one of its tokens first (``launch.COMPACT_LOWMEM``; a scan step of 16
-    winners, so the tiny shapes here take several), or every query row against every tile."""
+    """The ways the cross product's lowmem grad_D finds its rows: each tile lists the rows
+    that picked one of its tokens first (``launch.COMPACT_LOWMEM``, here at every size, with
+    a scan step of 16 winners so the tiny shapes take several), with grad_Q's gather in the
+    same launch or in its own after the lists are freed; or every query row against every
+    tile (dense)."""
     from lik_plugins.kernels.triton import launch
 
-    monkeypatch.setattr(launch, "COMPACT_LOWMEM", request.param == "compact")
+    monkeypatch.setattr(launch, "COMPACT_LOWMEM", request.param != "dense")
+    monkeypatch.setattr(launch, "COMPACT_MIN_WORK", 0)
     monkeypatch.setattr(launch, "COMPACT_SCAN", 16)
+    if request.param == "compact-gather-after":
+        monkeypatch.setattr(launch, "GATHER_ALONE_MIN_PROGRAMS", 0)
     return request.param
 
 

@@ -71,6 +71,8 @@ RING_ENABLED = False
 COMPACT_LOWMEM = True
 COMPACT_SCAN = 4096
 COMPACT_MIN_WORK = 1 << 24   # Nq*Lq * Nd*Ld: the dense walk's one-hot size
+# A gather of fewer programs than an H100 has SMs (132) rides in the grad_D launch.
+GATHER_ALONE_MIN_PROGRAMS = 132
 # fp8 inference forward: an elementwise running max over the document tiles, reduced
 # across columns once at the end instead of a cross-thread reduction per tile.  The fp8
 # MMA is twice as fast, so the CUDA-core epilogue is its bottleneck; on an H100 this made
@@ -454,13 +456,17 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
     if (need_d and not scatter and cross and COMPACT_LOWMEM and nq * lq <= COMPACT_MAX_ROWS
             and nq * lq * nj * ld >= COMPACT_MIN_WORK):
         # Order for the peak: the row lists (the argmax's size) live only while grad_D is
-        # built, and grad_Q is allocated and gathered after they are freed.
+        # built, and grad_Q is allocated and gathered after they are freed -- unless the
+        # gather has too few programs to fill the GPU on its own (ColPali 64: 64 programs;
+        # alone it made the step 0.81 ms against 0.4-0.7 with it riding along, NOTES v14):
+        # then it rides in the grad_D launch and its grad_Q lives beside the lists.
+        ride = need_q and n_split == 1 and n_gather < GATHER_ALONE_MIN_PROGRAMS
+        grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if ride else None
         rows = torch.empty((nj, nq * lq), dtype=torch.int16, device=device)
         grad_d = torch.empty(D.shape, dtype=D.dtype, device=device)
-        doc_launch(grad_d, None, 0, rows)
+        doc_launch(grad_d, grad_q, n_gather if ride else 0, rows)
         del rows
-        grad_q = None
-        if need_q:
+        if need_q and not ride:
             grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format)
             _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, None, cross=cross, normalize=normalize)
         return grad_q, grad_d
