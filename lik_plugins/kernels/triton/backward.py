@@ -8,11 +8,13 @@
   same launch, the gather for ``grad_Q`` when it needs no split).  One program
   per (document, tile of its tokens) collects every query row whose winner lies in its
   tile as a one-hot ``[BLOCK_T, BLOCK_R]`` x ``[BLOCK_R, d]`` product, so no atomics, no
-  fp32 buffer, bitwise deterministic, written once in the input dtype.  (A prefix-sum
-  compaction of the hitting rows was tried and measured 1.3-3x slower on an H100:
-  see benchmarks/NOTES.md.)  With ``COMPACT`` (cross product) a program first lists the
-  rows that picked a token of its tile (two scans of the document's winners), so the
-  one-hot product walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``.
+  fp32 buffer, bitwise deterministic, written once in the input dtype.  With ``COMPACT``
+  (cross product) a program first lists the rows that picked a token of its tile (two
+  scans of the document's winners, the list in global memory), so the one-hot product
+  walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``: 3.5-6.5x faster on an H100.
+  (Compacting in registers, a [hits x rows] comparison per round, measured 1.3-3x
+  slower than the dense walk, and sorting each document's rows first -- ``tl.sort`` or a
+  two-launch counting sort -- cost more than it saved: benchmarks/NOTES.md v4, v14.)
 * :func:`maxsim_bwd_winners_kernel` — ``lowmem`` for candidates and pairs: each document
   is owned by one query, so grad_D is zero-filled (memset speed) and only its winning rows
   are written, duplicates summed by a tiny equality-matrix MMA (one writer per row).  On an
