@@ -262,4 +262,3 @@ def _clean_lik_env(monkeypatch):
 def gen(request) -> "torch.Generator":
     """Fresh random inputs per test (seeded from the test id, so reproducible)."""
     return generator(seed_of(request.node.nodeid))
-

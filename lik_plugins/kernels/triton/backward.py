@@ -11,7 +11,7 @@
   fp32 buffer, bitwise deterministic, written once in the input dtype.  With ``COMPACT``
   (cross product) a program first lists the rows that picked a token of its tile (two
   scans of the document's winners, the list in global memory), so the one-hot product
-  walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``: 3.5-6.5x faster on an H100.
+  walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``: 3.5-6.6x faster on an H100.
   (Compacting in registers, a [hits x rows] comparison per round, measured 1.3-3x
   slower than the dense walk, and sorting each document's rows first -- ``tl.sort`` or a
   two-launch counting sort -- cost more than it saved: benchmarks/NOTES.md v4, v14.)
