@@ -41,6 +41,10 @@ WIDE_BLOCK_M = 256
 GATHER_TARGET_PROGRAMS = 264
 GATHER_SPLIT_BELOW = 64
 GATHER_SPLIT_MIN_STEPS = 32
+# Gather blocking: up to GATHER_MAX_BLOCK_S query tokens per program, and about
+# GATHER_STEP_ELEMS gathered elements (BLOCK_J documents x BLOCK_S rows x d) per step.
+GATHER_MAX_BLOCK_S = 32
+GATHER_STEP_ELEMS = 8192
 # Largest fp32 grad_D buffer the unified backward allocates for the cross product; more
 # documents are scattered slab by slab.  Slabs cost time (each is a launch with less
 # parallelism: 4 MiB measured 1.3-3x slower on an H100), so the cap is generous.
@@ -289,9 +293,9 @@ def _finish_grad_d(g32, D, rd, out, normalize):
 
 def _gather_blocking(nq, nj, lq, d_pad):
     """(BLOCK_S, BLOCK_J, programs per split, n_split, documents per split) of the gather."""
-    block_s = max(1, min(next_pow2(lq), 4096 // d_pad, 32))
+    block_s = max(1, min(next_pow2(lq), 4096 // d_pad, GATHER_MAX_BLOCK_S))
     # ~64 gathered rows per step (fewer for wide embeddings: registers)
-    block_j = max(1, min(next_pow2(nj), max(1, 8192 // (block_s * d_pad))))
+    block_j = max(1, min(next_pow2(nj), max(1, GATHER_STEP_ELEMS // (block_s * d_pad))))
     base_programs = nq * cdiv(lq, block_s)
     j_steps = cdiv(nj, block_j)
     n_split = 1
