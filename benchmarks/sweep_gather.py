@@ -1,4 +1,5 @@
-"""The cross product's training step by parts, and the grad_Q gather's blocking.
+"""The cross product's training step by parts, the grad_Q gather's blocking, and the
+forward's documents per program.
 
 Per in-batch training shape: the forward with its argmax, the listed-rows grad_D launch
 alone, the grad_Q gather alone for each (max tokens per program, elements per step)
@@ -8,6 +9,7 @@ medians of back-to-back calls.
 Why: at ColBERT 256 the gather runs one program per query (32 tokens): 256 programs of 4
 warps for 132 SMs, about 8 warps per SM, for a kernel made of dependent random row loads.
 Fewer tokens per program give more programs (and warps in flight) without partial sums.
+The forward: a program that scores 2 or 4 documents loads its query block once for them.
 
 Usage: python benchmarks/sweep_gather.py OUT_JSON [NAME_SUBSTRING]
 """
@@ -26,11 +28,38 @@ from lik_plugins.kernels import chunked  # noqa: E402
 from lik_plugins.kernels.triton import launch  # noqa: E402
 from profile_parts import timed  # noqa: E402
 
-VARIANTS = [(32, 8192), (16, 8192), (8, 8192), (4, 8192), (16, 16384), (8, 16384), (8, 4096)]
+VARIANTS = [(32, 8192), (32, 16384), (16, 8192), (16, 16384), (8, 8192), (8, 16384), (4, 8192)]
+DOCS_PER_PROGRAM = (1, 2, 4)
+
+
+def forward_ms(Q, D, save_argmax):
+    return timed(lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False,
+                                        save_argmax=save_argmax), reps=50)
+
+
+def sweep_docs_per_program(shape, row, sets=None, ref32=None):
+    Q, D = make_inputs(shape)
+    for dpp in DOCS_PER_PROGRAM:
+        launch.FORWARD_DOCS_PER_PROGRAM = dpp
+        launch.clear_plans()
+        row[f"fwd_nograd_dpp{dpp}_ms"] = forward_ms(Q, D, False)
+        msg = f"fwd no-grad {row[f'fwd_nograd_dpp{dpp}_ms']:.4f}"
+        if sets is not None:
+            row[f"fwd_argmax_dpp{dpp}_ms"] = forward_ms(Q, D, True)
+            ms, peak, err = bench_one(lambda q, d, layout: lik.maxsim(q, d), shape, sets, ref32, 30)
+            row[f"step_dpp{dpp}_ms"], row[f"step_dpp{dpp}_err"] = ms, err
+            msg += f" argmax {row[f'fwd_argmax_dpp{dpp}_ms']:.4f} step {ms:.4f} err {err:.1e}"
+        print(shape.name, f"docs/program {dpp}:", msg, flush=True)
+    launch.FORWARD_DOCS_PER_PROGRAM = 1
+    launch.clear_plans()
 
 
 def main(out, only=""):
     rows = []
+    for shape in [s for s in ALL_SHAPES if s.kind == "inference" and s.layout == "cross" and only in s.name]:
+        row = {"shape": shape.name}
+        sweep_docs_per_program(shape, row)
+        rows.append(row)
     for shape in [s for s in ALL_SHAPES if s.kind == "train" and s.layout == "cross" and only in s.name]:
         Q, D = make_inputs(shape)
         with torch.no_grad():
@@ -58,6 +87,7 @@ def main(out, only=""):
             print(shape.name, key, f"gather {row[f'gather_{key}_ms']:.4f} step {ms:.4f} ms {peak / 2**20:.1f} MiB "
                   f"err {err:.1e}", flush=True)
         launch.GATHER_MAX_BLOCK_S, launch.GATHER_STEP_ELEMS = 32, 8192
+        sweep_docs_per_program(shape, row, sets, ref32)
         print(shape.name, f"fwd {row['fwd_argmax_ms']:.4f} grad_d {row['bwd_grad_d_only_ms']:.4f}", flush=True)
         rows.append(row)
         del sets, Q, D

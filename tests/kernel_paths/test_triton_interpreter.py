@@ -393,3 +393,38 @@ def test_nan_in_masked_query_tokens_never_reaches_a_gradient(gen, lowmem_rows):
     gq, gd = torch.autograd.grad(out, (Q, D), torch.randn(out.shape, generator=gen))
     assert torch.isfinite(gd).all()
     assert torch.isfinite(gq[qm]).all()
+
+
+@pytest.mark.parametrize("docs_per_program", [2, 4])
+@pytest.mark.parametrize("mask_mode", MASK_MODES)
+@pytest.mark.parametrize("layout", ["cross", "kd"])
+def test_several_documents_per_forward_program(gen, layout, mask_mode, docs_per_program, monkeypatch):
+    """A forward program that scores several documents with one query block
+    (``launch.FORWARD_DOCS_PER_PROGRAM``) returns every document's scores, winners and
+    gradients; a document count it does not divide falls back to one per program."""
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setattr(launch, "FORWARD_DOCS_PER_PROGRAM", docs_per_program)
+    launch.clear_plans()
+    try:
+        for nj in (4, 5):
+            Q, D, qm, dm = make_inputs(gen, layout, 3, nj, 6, 70, 16)
+            scores, arg = launch.forward(Q, D, qm, dm, cross=layout == "cross", normalize=False,
+                                         zero_mode=mask_mode == "zero", save_argmax=True)
+            assert torch.equal(arg.long(), expected_argmax(Q, D, qm, dm, layout, mask_mode))
+            assert rel_err(scores, reference.maxsim(Q.double(), D.double(), qm, dm, mask_mode=mask_mode)) < 2e-5
+        check_against_reference(layout, Q, D, qm, dm, gen=gen, mask_mode=mask_mode, backward="lowmem")
+    finally:
+        launch.clear_plans()
+
+
+@pytest.mark.parametrize("backward", ["lowmem", "unified"])
+def test_gather_walks_many_documents_per_step(gen, backward, monkeypatch):
+    """grad_Q's gather with 8 documents per step over 11 documents (the last step ragged)
+    and 2 query tokens per program."""
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setattr(launch, "GATHER_MAX_BLOCK_S", 2)
+    monkeypatch.setattr(launch, "GATHER_STEP_ELEMS", 2 * 8 * 16)
+    Q, D, qm, dm = _inputs(gen, "cross", shape=(2, 11, 5, 9, 16))
+    check_against_reference("cross", Q, D, qm, dm, gen=gen, backward=backward)

@@ -69,33 +69,32 @@ def _gather_walk(
     NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_J: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    # BLOCK_J documents per step: BLOCK_J * BLOCK_S independent row gathers in flight,
-    # instead of one dependent (argmax -> row) load chain per document.  grad_Q
-    # accumulates in ``b_acc``; with SCATTER_D, ``g * q`` goes to GD32 (document ``j`` at
-    # ``j - gd_j0``) with relaxed atomics.
+    # BLOCK_J documents per step, unrolled: BLOCK_J * BLOCK_S independent row gathers in
+    # flight instead of one dependent (argmax -> row) load chain per document.  Each
+    # document is its own [BLOCK_S, D_PAD] tile: one 3-D [BLOCK_J, BLOCK_S, D_PAD] tile
+    # summed over its first axis measured 3-6x slower at BLOCK_J >= 4 on an H100 (the
+    # sum crossed warps; NOTES v15).  grad_Q accumulates in ``b_acc``; with SCATTER_D,
+    # ``g * q`` goes to GD32 (document ``j`` at ``j - gd_j0``) with relaxed atomics.
     o_h = tl.arange(0, D_PAD)
-    o_j = tl.arange(0, BLOCK_J)
     for j0 in range(j_lo, j_hi, BLOCK_J):
-        o_jj = j0 + o_j                                                                # [BJ]
-        m_j = o_jj < j_hi
-        b_g = tl.load(G + i_q * s_gi + o_jj * s_gj, mask=m_j, other=0.0)               # [BJ]
-        p_arg = ARG + i_q * s_ai + o_jj[:, None] * lq + o_s[None, :]
-        b_a = tl.load(p_arg, mask=m_j[:, None] & m_s[None, :], other=-1).to(tl.int32)  # [BJ, BS]
-        m_a = b_a >= 0
-        m_ah = m_a[:, :, None] & m_h[None, None, :]
-        p_doc = i_q * s_di + o_jj.to(tl.int64) * s_dj                                  # [BJ]
-        if NEED_Q:
-            p_d = D + p_doc[:, None, None] + b_a[:, :, None] * s_dt + o_h[None, None, :] * s_dh
-            b_d = tl.load(p_d, mask=m_ah, other=0.0).to(tl.float32)                     # [BJ, BS, DP]
-            b_w = tl.where(m_a, b_g[:, None], 0.0)                                     # [BJ, BS]
-            if NORMALIZE:
-                p_rd = RD + i_q * s_rdi + o_jj[:, None].to(tl.int64) * s_rdj + b_a
-                b_w = b_w * tl.load(p_rd, mask=m_a, other=0.0)
-            b_acc += tl.sum(b_d * b_w[:, :, None], axis=0)
-        if SCATTER_D:
-            p_gd = GD32 + i_q * s_gdi + (o_jj - gd_j0)[:, None, None].to(tl.int64) * s_gdj \
-                + b_a[:, :, None] * dim + o_h[None, None, :]
-            tl.atomic_add(p_gd, b_qs[None, :, :] * b_g[:, None, None], mask=m_ah, sem="relaxed")  # fire-and-forget red
+        for jj in tl.static_range(BLOCK_J):
+            i_j = j0 + jj
+            m_j = i_j < j_hi
+            b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_j, other=0.0)
+            b_a = tl.load(ARG + i_q * s_ai + i_j * lq + o_s, mask=m_j & m_s, other=-1).to(tl.int32)   # [BS]
+            m_a = b_a >= 0
+            m_ah = m_a[:, None] & m_h[None, :]
+            p_doc = i_q * s_di + i_j.to(tl.int64) * s_dj
+            if NEED_Q:
+                p_d = D + p_doc + b_a[:, None] * s_dt + o_h[None, :] * s_dh
+                b_d = tl.load(p_d, mask=m_ah, other=0.0).to(tl.float32)                  # [BS, DP]
+                b_w = tl.where(m_a, b_g, 0.0)                                           # [BS]
+                if NORMALIZE:
+                    b_w = b_w * tl.load(RD + i_q * s_rdi + i_j.to(tl.int64) * s_rdj + b_a, mask=m_a, other=0.0)
+                b_acc += b_d * b_w[:, None]
+            if SCATTER_D:
+                p_gd = GD32 + i_q * s_gdi + (i_j - gd_j0).to(tl.int64) * s_gdj + b_a[:, None] * dim + o_h[None, :]
+                tl.atomic_add(p_gd, b_qs * b_g, mask=m_ah, sem="relaxed")             # fire-and-forget red
     return b_acc
 
 

@@ -92,6 +92,9 @@ RUNNING_MAX = True
 # 0.330 -> 0.362 ms, ColBERT 1024 5.08 -> 5.67; ColPali 64 0.083 -> 0.078, ColPali 256
 # 1.169 -> 1.160 (Ld 1030: more tiles per program).
 RUNNING_ARGMAX = False
+# Documents per forward program (when it divides the number of documents): the query
+# block is loaded once for all of them.
+FORWARD_DOCS_PER_PROGRAM = 1
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -197,10 +200,11 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     s_rdi, s_rdj = _norm_strides(rd, cross, scaled)
     s_qmi, s_qms = s_qm if has_qm else (0, 0)
     running_max = RUNNING_ARGMAX if save_argmax else (RUNNING_MAX and elem == 1)
+    dpp = FORWARD_DOCS_PER_PROGRAM if nj % FORWARD_DOCS_PER_PROGRAM == 0 else 1
+    n_programs = nj // dpp * n_qblocks * n_chunks
     kernel, meta, after_launch = forward_kernel_and_meta(
         rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=(Q.dtype, D.dtype) if quant_q else Q.dtype,
-        n_programs=nj * n_qblocks * n_chunks,
-        save_arg=save_argmax, running_max=running_max,
+        n_programs=n_programs, save_arg=save_argmax, running_max=running_max, docs_per_program=dpp,
     )
     ints = (
         nq, nj, lq, ld, dim,
@@ -216,10 +220,10 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
         NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(D.dtype),
-        RUNNING_MAX=running_max, QUANT_Q=quant_q,
+        RUNNING_MAX=running_max, QUANT_Q=quant_q, DOCS_PER_PROGRAM=dpp,
         **meta,
     )
-    grid = (nj * n_qblocks * n_chunks,)
+    grid = (n_programs,)
     return _ForwardPlan(kernel, grid, ints, meta, out_shape, n_chunks, arg_dtype, False), after_launch
 
 

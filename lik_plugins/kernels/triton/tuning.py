@@ -2,7 +2,7 @@
 
 The host picks the row blocking (``ROWS_PER_Q``, ``QPB``) from the shape; the autotuner
 only chooses the document tile and the pipeline (``BLOCK_N``, ``BLOCK_K``, warps,
-stages).  The key is ``(ROWS_PER_Q, QPB, D_PAD, SAVE_ARG, RUNNING_MAX)`` plus the tensor dtypes, so
+stages).  The key is ``(ROWS_PER_Q, QPB, D_PAD, SAVE_ARG, RUNNING_MAX, DOCS_PER_PROGRAM)`` plus the tensor dtypes, so
 batch size, document length, mask presence and query length *within a power-of-two
 bucket* never trigger a new sweep.  (Mask presence does compile a second variant of the
 kernel once, since it is a constexpr; it reuses the tuned config.)
@@ -87,7 +87,7 @@ def _autotune_kwargs() -> dict:
 
 _tuned_forward = triton.autotune(
     configs=_configs(),
-    key=["ROWS_PER_Q", "QPB", "D_PAD", "SAVE_ARG", "RUNNING_MAX"],
+    key=["ROWS_PER_Q", "QPB", "D_PAD", "SAVE_ARG", "RUNNING_MAX", "DOCS_PER_PROGRAM"],
     prune_configs_by={"early_config_prune": _prune},
     **_autotune_kwargs(),
 )(maxsim_fwd_kernel)
@@ -98,7 +98,8 @@ _tuned_forward = triton.autotune(
 _chosen: dict = {}
 
 
-def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_arg, running_max=False):
+def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_arg, running_max=False,
+                            docs_per_program=1):
     """The kernel to launch, the meta-parameters the caller must pass, and a callback to
     run after the launch (records the autotuner's choice)."""
     block_k = k_tile(d_pad)
@@ -109,7 +110,7 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
             # a 256-row block on 4 warps would hold 128 fp32 accumulators per thread
             meta.update(num_warps=8 if rows_per_q * qpb >= 256 else 4, num_stages=2)
         return maxsim_fwd_kernel, meta, None
-    key = (rows_per_q, qpb, d_pad, bool(save_arg), bool(running_max), dtype)
+    key = (rows_per_q, qpb, d_pad, bool(save_arg), bool(running_max), docs_per_program, dtype)
     config = _chosen.get(key)
     if config is not None:
         return maxsim_fwd_kernel, {"BLOCK_K": block_k, **config}, None
