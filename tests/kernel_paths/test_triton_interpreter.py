@@ -152,8 +152,8 @@ def test_wide_embedding_candidates(gen):
 
 def test_few_queries_many_documents_split_gather(gen, split_gather):
     """One query, many documents: the gather backward splits the documents (partials)."""
-    split_gather(1, 6, 33, 64)
-    Q, D, qm, dm = make_inputs(gen, "cross", 1, 6, 33, 5, 64)
+    split_gather(1, 20, 33, 64)
+    Q, D, qm, dm = make_inputs(gen, "cross", 1, 20, 33, 5, 64)
     check_against_reference("cross", Q, D, qm, dm, gen=gen, backward="lowmem")
 
 
@@ -400,11 +400,12 @@ def test_nan_in_masked_query_tokens_never_reaches_a_gradient(gen, lowmem_rows):
 @pytest.mark.parametrize("layout", ["cross", "kd"])
 def test_several_documents_per_forward_program(gen, layout, mask_mode, docs_per_program, monkeypatch):
     """A forward program that scores several documents with one query block
-    (``launch.FORWARD_DOCS_PER_PROGRAM``) returns every document's scores, winners and
-    gradients; a document count it does not divide falls back to one per program."""
+    (``launch.docs_per_program``; here forced, argmax included) returns every document's
+    scores, winners and gradients; a count it does not divide runs one per program."""
     from lik_plugins.kernels.triton import launch
 
-    monkeypatch.setattr(launch, "FORWARD_DOCS_PER_PROGRAM", docs_per_program)
+    monkeypatch.setattr(launch, "docs_per_program",
+                        lambda nj, *_: docs_per_program if nj % docs_per_program == 0 else 1)
     launch.clear_plans()
     try:
         for nj in (4, 5):
@@ -428,3 +429,21 @@ def test_gather_walks_many_documents_per_step(gen, backward, monkeypatch):
     monkeypatch.setattr(launch, "GATHER_STEP_ELEMS", 2 * 8 * 16)
     Q, D, qm, dm = _inputs(gen, "cross", shape=(2, 11, 5, 9, 16))
     check_against_reference("cross", Q, D, qm, dm, gen=gen, backward=backward)
+
+
+def test_documents_per_forward_program_rule():
+    """Several documents per program only where the H100 sweep found it faster: 16-bit
+    inference, big launches (twice as big for documents longer than 256 tokens)."""
+    from lik_plugins.kernels.triton import launch
+
+    n = launch.FORWARD_DOCS_PER_PROGRAM
+    big = launch.FORWARD_MULTI_DOC_MIN_PROGRAMS
+    assert n > 1
+    assert launch.docs_per_program(4096, 256, 4 * big, False, 2) == n       # search
+    assert launch.docs_per_program(4096, 256, 4 * big, True, 2) == 1        # training: argmax
+    assert launch.docs_per_program(4096, 256, 4 * big, False, 4) == 1       # fp32
+    assert launch.docs_per_program(4096, 256, 4 * big, False, 1) == 1       # fp8
+    assert launch.docs_per_program(4097, 256, 4 * big, False, 2) == 1       # does not divide
+    assert launch.docs_per_program(4096, 256, big - 1, False, 2) == 1       # small launch
+    assert launch.docs_per_program(1000, 1030, big, False, 2) == 1          # long documents ...
+    assert launch.docs_per_program(1000, 1030, 2 * big, False, 2) == n      # ... on a big launch

@@ -43,7 +43,11 @@ GATHER_SPLIT_BELOW = 64
 GATHER_SPLIT_MIN_STEPS = 32
 # Gather blocking: up to GATHER_MAX_BLOCK_S query tokens per program, and about
 # GATHER_STEP_ELEMS gathered elements (BLOCK_J documents x BLOCK_S rows x d) per step.
-GATHER_MAX_BLOCK_S = 32
+# On an H100 (NOTES v15, results/h100/sweep_gather_v2.log) 16 tokens x 4 documents a step
+# made the gather 1.6-2.2x faster than 32 x 2 (ColBERT 256 0.17 -> 0.078 ms, ColBERT 1024
+# 1.94 -> 1.12, ColPali 256 0.27 -> 0.16): twice the programs, so twice the row loads in
+# flight, for a kernel that waits on dependent random loads.
+GATHER_MAX_BLOCK_S = 16
 GATHER_STEP_ELEMS = 8192
 # Largest fp32 grad_D buffer the unified backward allocates for the cross product; more
 # documents are scattered slab by slab.  Slabs cost time (each is a launch with less
@@ -92,9 +96,26 @@ RUNNING_MAX = True
 # 0.330 -> 0.362 ms, ColBERT 1024 5.08 -> 5.67; ColPali 64 0.083 -> 0.078, ColPali 256
 # 1.169 -> 1.160 (Ld 1030: more tiles per program).
 RUNNING_ARGMAX = False
-# Documents per forward program (when it divides the number of documents): the query
-# block is loaded once for all of them.
-FORWARD_DOCS_PER_PROGRAM = 1
+# Documents per forward program: the query block is loaded once for all of them, so less
+# is read from L2 per document.  On an H100 (NOTES v15, results/h100/sweep_gather_v2.log)
+# 4 documents made the 16-bit inference forward 5-13 % faster on big launches (search Lq 128
+# 4.36 -> 3.80 ms, long query 16x1000 Lq 512 4.30 -> 3.72, in-batch 256 0.296 -> 0.271) but
+# slower on launches of 2000-8000 programs over long documents (ColPali 16x1000 0.25 ->
+# 0.28, long query 1x2000 0.88 -> 0.92), and the training forward (argmax) 28 % slower.
+FORWARD_DOCS_PER_PROGRAM = 4
+FORWARD_MULTI_DOC_MIN_PROGRAMS = 8192   # programs at one document each; twice that for Ld > 256
+
+
+def docs_per_program(nj: int, ld: int, n_programs: int, save_argmax: bool, elem: int) -> int:
+    """Documents each forward program scores (see FORWARD_DOCS_PER_PROGRAM): only where it
+    was measured faster -- 16-bit inference, big launches, short documents or very many
+    programs -- and only when it divides the document count."""
+    dpp = FORWARD_DOCS_PER_PROGRAM
+    if save_argmax or elem != 2 or dpp <= 1 or nj % dpp:
+        return 1
+    if n_programs < FORWARD_MULTI_DOC_MIN_PROGRAMS or (ld > 256 and n_programs < 2 * FORWARD_MULTI_DOC_MIN_PROGRAMS):
+        return 1
+    return dpp
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -200,7 +221,7 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     s_rdi, s_rdj = _norm_strides(rd, cross, scaled)
     s_qmi, s_qms = s_qm if has_qm else (0, 0)
     running_max = RUNNING_ARGMAX if save_argmax else (RUNNING_MAX and elem == 1)
-    dpp = FORWARD_DOCS_PER_PROGRAM if nj % FORWARD_DOCS_PER_PROGRAM == 0 else 1
+    dpp = docs_per_program(nj, ld, nj * n_qblocks * n_chunks, save_argmax, elem)
     n_programs = nj // dpp * n_qblocks * n_chunks
     kernel, meta, after_launch = forward_kernel_and_meta(
         rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=(Q.dtype, D.dtype) if quant_q else Q.dtype,
