@@ -1,7 +1,8 @@
 """MaxSim forward as a GEMM with a segmented max/sum epilogue.
 
 One program owns a block of ``BLOCK_M = QPB * ROWS_PER_Q`` query-token rows — several
-queries (``QPB``) of ``ROWS_PER_Q`` tokens each — against one document.  It streams the
+queries (``QPB``) of ``ROWS_PER_Q`` tokens each — against ``DOCS_PER_PROGRAM`` documents,
+one after another (:func:`_document_row_max`, :func:`_store_document`).  It streams each
 document in ``BLOCK_N``-token tiles, so each document tile is loaded once per query
 *block* (not once per query) and the matrix units see full-height tiles.  Epilogue per
 tile: mask, row max (NaN-propagating) and, when a gradient is needed, the winning column.
@@ -42,6 +43,108 @@ def quantize_e4m3_rows(x, FP8_LIMIT: tl.constexpr):
     return y, scale
 
 
+@triton.jit
+def _document_row_max(
+    b_q, p_q, m_row, p_d, p_dm, p_rd, ld, dim, s_qh, s_dt, s_dh, s_dmt,
+    HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARG: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, RUNNING_MAX: tl.constexpr,
+):
+    """One document against the program's query rows, tile by tile: each row's max
+    similarity (NaN-propagating), its winning column when SAVE_ARG, and the zero-mode floor
+    (0 once a masked document token competes, else -inf)."""
+    o_n = tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    b_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_arg = tl.zeros([BLOCK_M], tl.int32)
+    b_floor = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if RUNNING_MAX:
+        # Keep an elementwise max over the tiles in the accumulator's own layout and reduce
+        # across columns (shuffles between threads) once, at the end, instead of per tile.
+        # With SAVE_ARG each element also remembers the first tile (its offset) that
+        # reached it: strictly greater takes over, so on ties the earliest tile stays, and
+        # the final reduction takes the lowest column among the maxima -- the same winner
+        # as the per-tile epilogue.  (The launcher turns it on where it measured faster.)
+        b_run = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+        if SAVE_ARG:
+            b_run_n0 = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+    for n0 in range(0, ld, BLOCK_N):
+        o_t = n0 + o_n
+        m_col = o_t < ld
+        if BLOCK_K == D_PAD:
+            b_d = tl.load(p_d + o_t[None, :] * s_dt + o_k[:, None] * s_dh,
+                          mask=m_col[None, :] & (o_k[:, None] < dim), other=0.0)      # [BK, BN]
+            if UPCAST:
+                b_d = b_d.to(tl.float32)
+            b_s = tl.dot(b_q, b_d, input_precision=PRECISION)                          # [BM, BK] @ [BK, BN]
+        else:
+            b_s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, dim, BLOCK_K):
+                o_kk = k0 + o_k
+                b_qk = tl.load(p_q[:, None] + o_kk[None, :] * s_qh,
+                               mask=m_row[:, None] & (o_kk[None, :] < dim), other=0.0)
+                b_dk = tl.load(p_d + o_t[None, :] * s_dt + o_kk[:, None] * s_dh,
+                               mask=m_col[None, :] & (o_kk[:, None] < dim), other=0.0)
+                if UPCAST:
+                    b_qk = b_qk.to(tl.float32)
+                    b_dk = b_dk.to(tl.float32)
+                b_s = tl.dot(b_qk, b_dk, b_s, input_precision=PRECISION)
+        if NORMALIZE:
+            b_rd = tl.load(p_rd + o_t, mask=m_col, other=0.0)
+            b_s = b_s * b_rd[None, :]
+        if HAS_DM:
+            b_dm = tl.load(p_dm + o_t * s_dmt, mask=m_col, other=0)
+            m_valid = m_col & (b_dm != 0)
+            if ZERO_MODE:
+                n_masked = tl.sum((m_col & (b_dm == 0)).to(tl.int32), axis=0)
+                b_floor = tl.where(n_masked > 0, 0.0, b_floor)
+            b_s = tl.where(m_valid[None, :], b_s, float("-inf"))
+        elif n0 + BLOCK_N > ld:
+            # only the last tile runs past the document: a full tile skips the select, one
+            # of the 2-3 CUDA-core operations per similarity that bound the fp8 forward
+            b_s = tl.where(m_col[None, :], b_s, float("-inf"))
+        if RUNNING_MAX:
+            if SAVE_ARG:
+                b_run_n0 = tl.where(b_s > b_run, n0, b_run_n0)
+            b_run = _max_nan(b_run, b_s)
+        else:
+            b_tile = tl.reduce(b_s, 1, _max_nan)                                        # [BM]
+            if SAVE_ARG:
+                # lowest column reaching the tile max; strict '>' keeps the earliest tile on ties
+                b_targ = tl.min(tl.where(b_s == b_tile[:, None], o_t[None, :], 2147483647), axis=1)
+                b_arg = tl.where(b_tile > b_max, b_targ, b_arg)
+            b_max = _max_nan(b_max, b_tile)
+    if RUNNING_MAX:
+        b_max = tl.reduce(b_run, 1, _max_nan)
+        if SAVE_ARG:
+            # a NaN row matches no column: it keeps no winner (-1 below), so its gradient is 0
+            b_arg = tl.min(tl.where(b_run == b_max[:, None], b_run_n0 + o_n[None, :], 2147483647), axis=1)
+            b_arg = tl.where(b_arg == 2147483647, -1, b_arg)
+    return b_max, b_arg, b_floor
+
+
+@triton.jit
+def _store_document(
+    b_max, b_arg, b_floor, b_rq, m_keep, m_row, q_idx, t_idx, i_qb, i_chunk, i_j, OUT, ARG, n_q, n_j, lq,
+    NORMALIZE: tl.constexpr, SAVE_ARG: tl.constexpr, ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr,
+):
+    """Mask semantics, then each query's sum over its rows (and the winners) for document ``i_j``."""
+    if NORMALIZE:
+        b_max = b_max * b_rq      # 1/||q|| > 0 commutes with the max
+    # A row scores its max if a valid token won (a masked 0 loses ties); NaN stays NaN.
+    m_win = ((b_max > float("-inf")) & (b_max >= b_floor)) | (b_max != b_max)
+    m_win = m_win & m_keep
+    b_val = tl.where(m_win, b_max, 0.0)
+    b_score = tl.sum(tl.reshape(b_val, [QPB, ROWS_PER_Q]), axis=1)                     # [QPB]
+    o_q = i_qb * QPB + tl.arange(0, QPB)
+    p_out = OUT + i_chunk.to(tl.int64) * n_q * n_j + o_q.to(tl.int64) * n_j + i_j
+    tl.store(p_out, b_score, mask=o_q < n_q)
+    if SAVE_ARG:
+        b_win = tl.where(m_win, b_arg, -1)
+        p_arg = ARG + (q_idx.to(tl.int64) * n_j + i_j) * lq + t_idx
+        tl.store(p_arg, b_win.to(ARG.dtype.element_ty), mask=m_row)
+
+
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks"])
 def maxsim_fwd_kernel(
     Q, D, QM, DM, RQ, RD, OUT, ARG,
@@ -78,7 +181,6 @@ def maxsim_fwd_kernel(
     i_qb = i_m % n_qblocks
 
     o_m = tl.arange(0, BLOCK_M)
-    o_n = tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     q_idx = i_qb * QPB + o_m // ROWS_PER_Q                   # [BM] query of each row
     t_idx = i_chunk * ROWS_PER_Q + o_m % ROWS_PER_Q          # [BM] token of each row
@@ -97,95 +199,26 @@ def maxsim_fwd_kernel(
         if QUANT_Q:
             b_qv, b_qscale = quantize_e4m3_rows(b_q.to(tl.float32), FP8_LIMIT)
             b_q = b_qv.to(D.dtype.element_ty)
+    else:
+        b_q = p_q   # unused: the document loop reloads query slices per K tile
 
     for jj in tl.static_range(DOCS_PER_PROGRAM):
         i_j = i_jb * DOCS_PER_PROGRAM + jj
         q_first = (i_qb * QPB).to(tl.int64)
-        p_d = D + q_first * s_di + i_j.to(tl.int64) * s_dj
-        p_dm = DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj
-        p_rd = RD + q_first * s_rdi + i_j.to(tl.int64) * s_rdj
-
-        b_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        b_arg = tl.zeros([BLOCK_M], tl.int32)
-        b_floor = tl.full([BLOCK_M], float("-inf"), tl.float32)   # 0 once a masked doc token competes
-        if RUNNING_MAX:
-            # Keep an elementwise max over the tiles in the accumulator's own layout and reduce
-            # across columns (shuffles between threads) once, at the end, instead of per tile.
-            # With SAVE_ARG each element also remembers the first tile (its offset) that
-            # reached it: strictly greater takes over, so on ties the earliest tile stays, and
-            # the final reduction takes the lowest column among the maxima -- the same winner
-            # as the per-tile epilogue.  (The launcher turns it on where it measured faster.)
-            b_run = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-            if SAVE_ARG:
-                b_run_n0 = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
-        for n0 in range(0, ld, BLOCK_N):
-            o_t = n0 + o_n
-            m_col = o_t < ld
-            if BLOCK_K == D_PAD:
-                b_d = tl.load(p_d + o_t[None, :] * s_dt + o_k[:, None] * s_dh,
-                              mask=m_col[None, :] & (o_k[:, None] < dim), other=0.0)      # [BK, BN]
-                if UPCAST:
-                    b_d = b_d.to(tl.float32)
-                b_s = tl.dot(b_q, b_d, input_precision=PRECISION)                          # [BM, BK] @ [BK, BN]
-            else:
-                b_s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for k0 in range(0, dim, BLOCK_K):
-                    o_kk = k0 + o_k
-                    b_qk = tl.load(p_q[:, None] + o_kk[None, :] * s_qh,
-                                   mask=m_row[:, None] & (o_kk[None, :] < dim), other=0.0)
-                    b_dk = tl.load(p_d + o_t[None, :] * s_dt + o_kk[:, None] * s_dh,
-                                   mask=m_col[None, :] & (o_kk[:, None] < dim), other=0.0)
-                    if UPCAST:
-                        b_qk = b_qk.to(tl.float32)
-                        b_dk = b_dk.to(tl.float32)
-                    b_s = tl.dot(b_qk, b_dk, b_s, input_precision=PRECISION)
-            if NORMALIZE:
-                b_rd = tl.load(p_rd + o_t, mask=m_col, other=0.0)
-                b_s = b_s * b_rd[None, :]
-            if HAS_DM:
-                b_dm = tl.load(p_dm + o_t * s_dmt, mask=m_col, other=0)
-                m_valid = m_col & (b_dm != 0)
-                if ZERO_MODE:
-                    n_masked = tl.sum((m_col & (b_dm == 0)).to(tl.int32), axis=0)
-                    b_floor = tl.where(n_masked > 0, 0.0, b_floor)
-                b_s = tl.where(m_valid[None, :], b_s, float("-inf"))
-            elif n0 + BLOCK_N > ld:
-                # only the last tile runs past the document: a full tile skips the select, one
-                # of the 2-3 CUDA-core operations per similarity that bound the fp8 forward
-                b_s = tl.where(m_col[None, :], b_s, float("-inf"))
-            if RUNNING_MAX:
-                if SAVE_ARG:
-                    b_run_n0 = tl.where(b_s > b_run, n0, b_run_n0)
-                b_run = _max_nan(b_run, b_s)
-            else:
-                b_tile = tl.reduce(b_s, 1, _max_nan)                                        # [BM]
-                if SAVE_ARG:
-                    # lowest column reaching the tile max; strict '>' keeps the earliest tile on ties
-                    b_targ = tl.min(tl.where(b_s == b_tile[:, None], o_t[None, :], 2147483647), axis=1)
-                    b_arg = tl.where(b_tile > b_max, b_targ, b_arg)
-                b_max = _max_nan(b_max, b_tile)
-        if RUNNING_MAX:
-            b_max = tl.reduce(b_run, 1, _max_nan)
-            if SAVE_ARG:
-                # a NaN row matches no column: it keeps no winner (-1 below), so its gradient is 0
-                b_arg = tl.min(tl.where(b_run == b_max[:, None], b_run_n0 + o_n[None, :], 2147483647), axis=1)
-                b_arg = tl.where(b_arg == 2147483647, -1, b_arg)
-
+        b_max, b_arg, b_floor = _document_row_max(
+            b_q, p_q, m_row,
+            D + q_first * s_di + i_j.to(tl.int64) * s_dj,
+            DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj,
+            RD + q_first * s_rdi + i_j.to(tl.int64) * s_rdj,
+            ld, dim, s_qh, s_dt, s_dh, s_dmt,
+            HAS_DM, ZERO_MODE, NORMALIZE, SAVE_ARG, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION, RUNNING_MAX,
+        )
         if NORMALIZE:
             if QUANT_Q:
                 b_rq = b_qscale
             else:
                 b_rq = tl.load(RQ + q_idx.to(tl.int64) * lq + t_idx, mask=m_row, other=1.0)
-            b_max = b_max * b_rq      # 1/||q|| > 0 commutes with the max
-        # A row scores its max if a valid token won (a masked 0 loses ties); NaN stays NaN.
-        m_win = ((b_max > float("-inf")) & (b_max >= b_floor)) | (b_max != b_max)
-        m_win = m_win & m_keep
-        b_val = tl.where(m_win, b_max, 0.0)
-        b_score = tl.sum(tl.reshape(b_val, [QPB, ROWS_PER_Q]), axis=1)                     # [QPB]
-        o_q = i_qb * QPB + tl.arange(0, QPB)
-        p_out = OUT + i_chunk.to(tl.int64) * n_q * n_j + o_q.to(tl.int64) * n_j + i_j
-        tl.store(p_out, b_score, mask=o_q < n_q)
-        if SAVE_ARG:
-            b_win = tl.where(m_win, b_arg, -1)
-            p_arg = ARG + (q_idx.to(tl.int64) * n_j + i_j) * lq + t_idx
-            tl.store(p_arg, b_win.to(ARG.dtype.element_ty), mask=m_row)
+        else:
+            b_rq = b_max   # unused
+        _store_document(b_max, b_arg, b_floor, b_rq, m_keep, m_row, q_idx, t_idx, i_qb, i_chunk, i_j, OUT, ARG,
+                        n_q, n_j, lq, NORMALIZE, SAVE_ARG, ROWS_PER_Q, QPB)
