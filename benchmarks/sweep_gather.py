@@ -60,6 +60,7 @@ def main(out, only=""):
         row = {"shape": shape.name}
         sweep_docs_per_program(shape, row)
         rows.append(row)
+        write(out, rows)
     for shape in [s for s in ALL_SHAPES if s.kind == "train" and s.layout == "cross" and only in s.name]:
         Q, D = make_inputs(shape)
         with torch.no_grad():
@@ -90,8 +91,13 @@ def main(out, only=""):
         sweep_docs_per_program(shape, row, sets, ref32)
         print(shape.name, f"fwd {row['fwd_argmax_ms']:.4f} grad_d {row['bwd_grad_d_only_ms']:.4f}", flush=True)
         rows.append(row)
+        write(out, rows)
         del sets, Q, D
         torch.cuda.empty_cache()
+
+
+def write(out, rows):
+    # after every shape: a call cut by its time limit keeps what it measured
     with open(out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
 
