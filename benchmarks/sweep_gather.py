@@ -30,6 +30,9 @@ from profile_parts import timed  # noqa: E402
 
 VARIANTS = [(32, 8192), (32, 16384), (16, 8192), (16, 16384), (8, 8192), (8, 16384), (4, 8192)]
 DOCS_PER_PROGRAM = (1, 2, 4)
+# the launcher's own settings, restored after each variant sweep
+GATHER_DEFAULT = (launch.GATHER_MAX_BLOCK_S, launch.GATHER_STEP_ELEMS)
+DOCS_DEFAULT = launch.FORWARD_DOCS_PER_PROGRAM
 
 
 def forward_ms(Q, D, save_argmax):
@@ -50,7 +53,7 @@ def sweep_docs_per_program(shape, row, sets=None, ref32=None):
             row[f"step_dpp{dpp}_ms"], row[f"step_dpp{dpp}_err"] = ms, err
             msg += f" argmax {row[f'fwd_argmax_dpp{dpp}_ms']:.4f} step {ms:.4f} err {err:.1e}"
         print(shape.name, f"docs/program {dpp}:", msg, flush=True)
-    launch.FORWARD_DOCS_PER_PROGRAM = 1
+    launch.FORWARD_DOCS_PER_PROGRAM = DOCS_DEFAULT
     launch.clear_plans()
 
 
@@ -87,7 +90,7 @@ def main(out, only=""):
             row[f"step_{key}_ms"], row[f"step_{key}_mib"], row[f"step_{key}_err"] = ms, peak / 2**20, err
             print(shape.name, key, f"gather {row[f'gather_{key}_ms']:.4f} step {ms:.4f} ms {peak / 2**20:.1f} MiB "
                   f"err {err:.1e}", flush=True)
-        launch.GATHER_MAX_BLOCK_S, launch.GATHER_STEP_ELEMS = 32, 8192
+        launch.GATHER_MAX_BLOCK_S, launch.GATHER_STEP_ELEMS = GATHER_DEFAULT
         sweep_docs_per_program(shape, row, sets, ref32)
         print(shape.name, f"fwd {row['fwd_argmax_ms']:.4f} grad_d {row['bwd_grad_d_only_ms']:.4f}", flush=True)
         rows.append(row)
