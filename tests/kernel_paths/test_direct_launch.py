@@ -99,3 +99,65 @@ def test_profiler_hooks_send_launches_through_the_jit(monkeypatch):
     monkeypatch.setattr(runtime, "launch_enter_hook", None)
     monkeypatch.setattr(runtime, "launch_exit_hook", lambda *a: None)
     assert direct._hooks_set()
+
+
+def _gradients(lik, Q, D, pairs=False, specification=False):
+    from lik_plugins.kernels import reference
+
+    Q, D = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    if specification:
+        scores = reference.maxsim(Q, D.unsqueeze(1) if pairs else D)
+        scores = scores.squeeze(1) if pairs else scores
+    else:
+        scores = (lik.maxsim_pairs if pairs else lik.maxsim)(Q, D, backward="lowmem")
+    scores.backward(torch.linspace(-1, 1, scores.numel()).reshape(scores.shape))
+    return scores.detach(), Q.grad, D.grad
+
+
+@pytest.mark.parametrize("route", ["compact", "dense", "winners", "split-gather"])
+def test_backward_plans_are_reused_per_geometry_and_stay_exact(monkeypatch, route):
+    """A repeated lowmem backward replays its plan (one per geometry and route) and gives
+    the same gradients, bit for bit, as the call that made the plan; changing a blocking
+    constant makes a new plan instead of replaying the old one."""
+    from lik_plugins._config import triton_interpret
+
+    if not triton_interpret():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    import lik_plugins as lik
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    g = torch.Generator().manual_seed(1)
+    pairs = route == "winners"
+    Q = torch.randn(3, 6, 16, generator=g)
+    D = torch.randn(3 if pairs else 4, 9, 16, generator=g)
+    if route == "compact":
+        monkeypatch.setattr(launch, "COMPACT_MIN_WORK", 1)        # list the rows even at this size
+    if route == "split-gather":
+        Q, D = torch.randn(1, 4, 16, generator=g), torch.randn(40, 5, 16, generator=g)
+        monkeypatch.setattr(launch, "GATHER_STEP_ELEMS", 64)      # one document a step: 40 steps
+        monkeypatch.setattr(launch, "GATHER_SPLIT_MIN_STEPS", 2)  # split them over programs
+    nq, lq, nj, ld = Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]
+    block_s, block_j, n_gather, n_split, _ = launch._gather_blocking(nq, nj, lq, 16)
+    kind, gather = launch._lowmem_route(nq, lq, nj, ld, cross=not pairs, need_q=True, n_gather=n_gather,
+                                        n_split=n_split)
+    assert (kind, gather) == {"compact": ("compact", "ride"), "dense": ("dense", "ride"),
+                              "winners": ("winners", "ride"), "split-gather": ("dense", "alone")}[route]
+    launch.clear_plans()
+    first = _gradients(lik, Q, D, pairs)
+    assert len(launch._LOWMEM_PLANS) == 1
+    again = _gradients(lik, Q, D, pairs)
+    assert len(launch._LOWMEM_PLANS) == 1
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    # the plan-made gradients are the specification's
+    ref = _gradients(lik, Q.double(), D.double(), pairs, specification=True)
+    for a, b in zip(first, ref):
+        assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(launch, "GATHER_MAX_BLOCK_S", 2)
+    changed = _gradients(lik, Q, D, pairs)
+    assert len(launch._LOWMEM_PLANS) == 2
+    for a, b in zip(first, changed):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    launch.clear_plans()
+    assert launch._LOWMEM_PLANS == {}

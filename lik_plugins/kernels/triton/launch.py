@@ -192,9 +192,10 @@ _FORWARD_PLANS: dict = {}
 
 
 def clear_plans() -> None:
-    """Forget the forward plans and the compiled-launch plans (after changing the blocking
-    constants above or the tuner's remembered configs)."""
+    """Forget the forward and backward plans and the compiled-launch plans (after changing
+    the blocking constants above or the tuner's remembered configs)."""
     _FORWARD_PLANS.clear()
+    _LOWMEM_PLANS.clear()
     direct.clear()
 
 
@@ -433,125 +434,192 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
     """``strategy``: ``"lowmem"`` (destination-owned grad_D, deterministic, no fp32 buffer)
     or ``"unified"`` (gather + atomic scatter in one pass over the argmax).  ``q_masked``:
     the forward had a query mask, so rows without a winner may hold anything (NaN)."""
-    nq, lq, dim = Q.shape
-    nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     device = Q.device
     if grad.dtype != torch.float32:
         grad = grad.float()
-    placeholder = _placeholder(device, torch.float32)
-    rq = inverse_norms(Q) if normalize else placeholder
-    rd = inverse_norms(D) if normalize else placeholder
-    s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
-    d_pad = max(16, next_pow2(dim))
     if Q.numel() == 0 or D.numel() == 0 or grad.numel() == 0:
         return (torch.zeros_like(Q, memory_format=torch.contiguous_format) if need_q else None), \
             (D.new_zeros(D.shape) if need_d else None)
-    scatter = need_d and strategy == "unified"
+    placeholder = _placeholder(device, torch.float32)
+    rq = inverse_norms(Q) if normalize else placeholder
+    rd = inverse_norms(D) if normalize else placeholder
+    if need_d and strategy != "unified":
+        return _lowmem_backward(grad, Q, D, argmax, rq, rd, cross=cross, normalize=normalize, need_q=need_q,
+                                q_masked=q_masked)
+    return _unified_backward(grad, Q, D, argmax, rq, rd, cross=cross, normalize=normalize, need_q=need_q,
+                             need_d=need_d)
+
+
+class _LowmemPlan(NamedTuple):
+    """Everything a lowmem backward needs but the tensors: see :func:`_lowmem_backward`."""
+    kernel: object
+    grid: object           # a tuple, or a function of the meta-parameters while the tuner runs
+    ints: tuple            # the grad_D kernel's integer arguments, in order
+    meta: dict
+    gather: str | None     # grad_Q: "ride" (in the grad_D launch), "alone" (a pass of its own) or None
+    rows: tuple | None     # shape of the compact walk's int16 row lists, or None
+    zero_grad_d: bool      # the winners kernel writes winning rows only: the rest must be 0
+    with_rows_arg: bool    # the document kernels take the row-list pointer, the winners kernel not
+
+
+# lowmem backward plans by the call's geometry, as the forward's: a repeated training step
+# skips the route choice, the blocking, the tuner lookup and the argument list, and its
+# grad_D launch replays with a static key (no per-argument featurising).  These are the
+# launch-bound steps (pairs, KD, ColPali 64, the small shapes), where host time is the step.
+_LOWMEM_PLANS: dict = {}
+
+
+def _lowmem_knobs() -> tuple:
+    # module constants a plan depends on: part of the key, so a test or sweep that changes
+    # one never replays a plan made under the old value
+    return (COMPACT_LOWMEM, COMPACT_MIN_WORK, COMPACT_SCAN, GATHER_ALONE_MIN_PROGRAMS, GATHER_MAX_BLOCK_S,
+            GATHER_STEP_ELEMS, GATHER_SPLIT_BELOW, GATHER_SPLIT_MIN_STEPS, GATHER_TARGET_PROGRAMS, MAX_ROWS_PER_Q)
+
+
+def _lowmem_route(nq, lq, nj, ld, *, cross, need_q, n_gather, n_split):
+    """(grad_D kernel, how grad_Q is gathered) of a lowmem backward: kernel ``"compact"``,
+    ``"winners"`` or ``"dense"``; grad_Q ``"ride"``, ``"alone"`` or None."""
+    if cross and COMPACT_LOWMEM and nq * lq <= COMPACT_MAX_ROWS and nq * lq * nj * ld >= COMPACT_MIN_WORK:
+        # Each grad_D tile lists its rows first (the scratch is the argmax's size).  grad_Q
+        # is gathered after the lists are freed, for the peak -- unless the gather has too few
+        # programs to fill the GPU on its own (ColPali 64: 64 programs; alone it made the step
+        # 0.81 ms against 0.4-0.7 with it riding along, NOTES v14): then it rides in the
+        # grad_D launch and its grad_Q lives beside the lists.
+        ride = n_split == 1 and n_gather < GATHER_ALONE_MIN_PROGRAMS
+        return "compact", ("ride" if ride else "alone") if need_q else None
+    # candidates and pairs with Lq <= 128: zero-filled grad_D, winning rows written
+    kernel = "winners" if not cross and lq <= MAX_ROWS_PER_Q else "dense"
+    # without a split the gather rides in the grad_D launch
+    return kernel, ("ride" if n_split == 1 else "alone") if need_q else None
+
+
+def _plan_lowmem(grad, Q, D, argmax, rd, *, cross, normalize, need_q, q_masked):
+    """(plan, after_launch), as :func:`_plan_forward`."""
+    nq, lq, dim = Q.shape
+    nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
+    s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
+    d_pad = max(16, next_pow2(dim))
     block_s, block_j, n_gather, n_split, _ = _gather_blocking(nq, nj, lq, d_pad)
+    kind, gather = _lowmem_route(nq, lq, nj, ld, cross=cross, need_q=need_q, n_gather=n_gather, n_split=n_split)
+    ride = gather == "ride"
+    n_gather = n_gather if ride else 0
     f32_dot = Q.dtype != torch.bfloat16
-    lowmem_meta = dict(
+    ints = (
+        nq, nj, lq, ld, dim,
+        grad.stride(0), grad.stride(1),
+        Q.stride(0), Q.stride(1), Q.stride(2),
+        s_di, s_dj, s_dt, s_dh,
+        s_rdi, s_rdj, argmax.stride(0),
+        n_gather,
+    )
+    meta = dict(
         NORMALIZE=bool(normalize), F32_DOT=f32_dot, PRECISION=_precision(Q.dtype),
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad,
+        WITH_GATHER=ride,
     )
+    if kind == "winners":
+        meta.update(BLOCK_SW=max(16, next_pow2(lq)),
+                    **({} if interpreting() else {"num_warps": 4 if d_pad <= 128 else 8, "num_stages": 1}))
+        return _LowmemPlan(maxsim_bwd_winners_kernel, (n_gather + nq * nj,), ints, meta, gather, None, True,
+                           False), None
+    compact = kind == "compact"
+    n_docs = nj if cross else nq * nj
+    # a listed row always has a winner: nothing to guard
+    guard_rows = q_masked and not compact
+    kernel, tuned, after_launch = doc_kernel_and_meta(
+        d_pad=d_pad, n_programs_at_64=n_docs * cdiv(ld, 64), cross=cross, f32_dot=f32_dot, normalize=normalize,
+        with_gather=ride, dtype=Q.dtype, guard_rows=guard_rows, compact=compact,
+    )
+    meta.update(CROSS=cross, GUARD_ROWS=guard_rows, **tuned)
+    if compact:
+        meta.update(COMPACT=True, SCAN=min(COMPACT_SCAN, next_pow2(nq * lq)))
 
-    def lowmem_args(grad_d, gather_into, n_gather):
-        # the two lowmem grad_D kernels take the same arguments (the gather may ride along)
-        return (
-            grad, Q, D, rq, rd, argmax, grad_d, placeholder if gather_into is None else gather_into,
-            nq, nj, lq, ld, dim,
-            grad.stride(0), grad.stride(1),
-            Q.stride(0), Q.stride(1), Q.stride(2),
-            s_di, s_dj, s_dt, s_dh,
-            s_rdi, s_rdj, argmax.stride(0),
-            n_gather,
-        )
+    def grid(m):
+        return (n_gather + n_docs * cdiv(ld, m["BLOCK_T"]),)
 
-    def doc_launch(grad_d, gather_into, n_gather, rows=None):
-        n_docs = nj if cross else nq * nj
-        # a listed row always has a winner: nothing to guard
-        guard_rows = q_masked and rows is None
-        kernel, meta, after_launch = doc_kernel_and_meta(
-            d_pad=d_pad, n_programs_at_64=n_docs * cdiv(ld, 64), cross=cross, f32_dot=f32_dot,
-            normalize=normalize, with_gather=n_gather > 0, dtype=Q.dtype, guard_rows=guard_rows,
-            compact=rows is not None,
-        )
-        extra = {} if rows is None else {"COMPACT": True, "SCAN": min(COMPACT_SCAN, next_pow2(nq * lq))}
-        launch(kernel, lambda m: (n_gather + n_docs * cdiv(ld, m["BLOCK_T"]),),
-               (*lowmem_args(grad_d, gather_into, n_gather), placeholder if rows is None else rows),
-               dict(CROSS=cross, GUARD_ROWS=guard_rows, WITH_GATHER=n_gather > 0, **extra, **lowmem_meta, **meta))
-        if after_launch is not None:
-            after_launch()
+    return _LowmemPlan(kernel, grid if after_launch is not None else grid(meta), ints, meta, gather,
+                       (nj, nq * lq) if compact else None, False, True), after_launch
 
-    if (need_d and not scatter and cross and COMPACT_LOWMEM and nq * lq <= COMPACT_MAX_ROWS
-            and nq * lq * nj * ld >= COMPACT_MIN_WORK):
-        # Order for the peak: the row lists (the argmax's size) live only while grad_D is
-        # built, and grad_Q is allocated and gathered after they are freed -- unless the
-        # gather has too few programs to fill the GPU on its own (ColPali 64: 64 programs;
-        # alone it made the step 0.81 ms against 0.4-0.7 with it riding along, NOTES v14):
-        # then it rides in the grad_D launch and its grad_Q lives beside the lists.
-        ride = need_q and n_split == 1 and n_gather < GATHER_ALONE_MIN_PROGRAMS
-        grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if ride else None
-        rows = torch.empty((nj, nq * lq), dtype=torch.int16, device=device)
-        grad_d = torch.empty(D.shape, dtype=D.dtype, device=device)
-        doc_launch(grad_d, grad_q, n_gather if ride else 0, rows)
-        del rows
-        if need_q and not ride:
-            grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format)
-            _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, None, cross=cross, normalize=normalize)
-        return grad_q, grad_d
 
+def _lowmem_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, q_masked):
+    """grad_D destination-owned (each program writes its own tiles: deterministic, no fp32
+    buffer), grad_Q gathered from the saved winners, in the grad_D launch or after it."""
+    device = Q.device
+    key = (Q.shape, Q.stride(), D.shape, D.stride(), grad.stride(), argmax.shape, argmax.stride(), Q.dtype,
+           D.dtype, device, cross, bool(normalize), need_q, q_masked, _lowmem_knobs())
+    plan = _LOWMEM_PLANS.get(key)
+    after_launch = None
+    if plan is None:
+        plan, after_launch = _plan_lowmem(grad, Q, D, argmax, rd, cross=cross, normalize=normalize, need_q=need_q,
+                                          q_masked=q_masked)
+        if after_launch is None:
+            if len(_LOWMEM_PLANS) >= direct.MAX_PLANS:
+                _LOWMEM_PLANS.clear()
+            _LOWMEM_PLANS[key] = plan
+    placeholder = _placeholder(device, torch.float32)
+    # Allocation order is the peak's: a riding grad_Q lives beside the row lists, a gather
+    # of its own starts after they are freed.
+    grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if plan.gather == "ride" else None
+    rows = torch.empty(plan.rows, dtype=torch.int16, device=device) if plan.rows is not None else None
+    grad_d = (torch.zeros if plan.zero_grad_d else torch.empty)(D.shape, dtype=D.dtype, device=device)
+    args = (grad, Q, D, rq, rd, argmax, grad_d, placeholder if grad_q is None else grad_q, *plan.ints)
+    if plan.with_rows_arg:
+        args += (placeholder if rows is None else rows,)
+    launch(plan.kernel, plan.grid, args, plan.meta, static_key=key if after_launch is None else None)
+    if after_launch is not None:
+        after_launch()
+    del rows
+    if plan.gather == "alone":
+        grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format)
+        _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, None, cross=cross, normalize=normalize)
+    return grad_q, grad_d
+
+
+def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, need_d):
+    """grad_Q gathered from the saved winners and, if ``need_d``, grad_D scattered into
+    fp32 with atomics in the same pass (one pass over the argmax)."""
+    nq, lq, dim = Q.shape
+    nj = D.shape[0] if cross else D.shape[1]
+    ld = D.shape[-2]
+    device = Q.device
     grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if need_q else None
     # fp32 inputs without normalisation scatter straight into grad_D; otherwise an fp32
     # buffer is needed, and for the cross product it is bounded: slab by slab from the host
     # above UNIFIED_BUFFER_BYTES (grad_Q then gets its own gather pass).  The one-launch
     # ring is off (RING_ENABLED).
-    direct = scatter and D.dtype == torch.float32 and not normalize
-    if scatter and cross and not direct and RING_ENABLED:
-        ring = _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, normalize=normalize, d_pad=d_pad)
+    direct = need_d and D.dtype == torch.float32 and not normalize
+    if need_d and cross and not direct and RING_ENABLED:
+        ring = _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, normalize=normalize,
+                              d_pad=max(16, next_pow2(dim)))
         if ring is not None:
             return ring
     slab = nj
-    if scatter and not direct and cross:
+    if need_d and not direct and cross:
         slab = max(1, min(nj, UNIFIED_BUFFER_BYTES // max(ld * dim * 4, 1)))
-    one_pass = scatter and slab == nj
-    # lowmem for candidates/pairs with Lq <= 128: zero-filled grad_D, winning rows written
-    winners = need_d and not scatter and not cross and lq <= MAX_ROWS_PER_Q
-    # Allocations are counted: on a slow host each torch call is tens of microseconds, and
-    # the small training shapes are bound by them.  The one-pass unified grad_D is the
-    # fp32 buffer cast once (no separate empty + copy).
+    one_pass = need_d and slab == nj
+    # Allocations are counted: on a slow host each torch call is tens of microseconds.  The
+    # one-pass grad_D is the fp32 buffer cast once (no separate empty + copy).
     grad_d = None
-    if need_d and not (one_pass and not direct and not normalize):
-        grad_d = torch.zeros(D.shape, dtype=D.dtype, device=device) if direct or winners else \
+    if need_d and (direct or normalize or not one_pass):
+        grad_d = torch.zeros(D.shape, dtype=D.dtype, device=device) if direct else \
             torch.empty(D.shape, dtype=D.dtype, device=device)
-    # lowmem with both gradients and no split: grad_Q's gather rides in the grad_D launch
-    fused_gather = need_q and need_d and not scatter and n_split == 1
-    if (need_q and not fused_gather) or scatter:
-        gd32 = None
-        if one_pass:
-            gd32 = grad_d if direct else torch.zeros(D.shape, dtype=torch.float32, device=device)
-        if need_q or one_pass:
-            _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, cross=cross, normalize=normalize)
-        if one_pass and not direct:
-            if normalize:
-                _project_into(gd32, D, rd, grad_d)
-            else:
-                grad_d = gd32.to(D.dtype)
-        if scatter and not one_pass:
-            buffer = torch.empty((slab, ld, dim), dtype=torch.float32, device=device)
-            for j0 in range(0, nj, slab):
-                j1 = min(nj, j0 + slab)
-                chunk = buffer[: j1 - j0].zero_()
-                rd_slab = rd[j0:j1] if normalize else rd
-                _gather_pass(grad[:, j0:j1], Q, D[j0:j1], argmax[:, j0:j1], rq, rd_slab,
-                             None, chunk, cross=True, normalize=normalize)
-                _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
-    n_gather = n_gather if fused_gather else 0
-    gather_into = grad_q if fused_gather else None
-    if winners:
-        launch(maxsim_bwd_winners_kernel, (n_gather + nq * nj,), lowmem_args(grad_d, gather_into, n_gather), dict(
-            BLOCK_SW=max(16, next_pow2(lq)), WITH_GATHER=fused_gather, **lowmem_meta,
-            **({} if interpreting() else {"num_warps": 4 if d_pad <= 128 else 8, "num_stages": 1}),
-        ))
-    elif need_d and not scatter:
-        doc_launch(grad_d, gather_into, n_gather)
+    gd32 = None
+    if one_pass:
+        gd32 = grad_d if direct else torch.zeros(D.shape, dtype=torch.float32, device=device)
+    if need_q or one_pass:
+        _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, cross=cross, normalize=normalize)
+    if one_pass and not direct:
+        if normalize:
+            _project_into(gd32, D, rd, grad_d)
+        else:
+            grad_d = gd32.to(D.dtype)
+    if need_d and not one_pass:
+        buffer = torch.empty((slab, ld, dim), dtype=torch.float32, device=device)
+        for j0 in range(0, nj, slab):
+            j1 = min(nj, j0 + slab)
+            chunk = buffer[: j1 - j0].zero_()
+            rd_slab = rd[j0:j1] if normalize else rd
+            _gather_pass(grad[:, j0:j1], Q, D[j0:j1], argmax[:, j0:j1], rq, rd_slab,
+                         None, chunk, cross=True, normalize=normalize)
+            _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
     return grad_q, grad_d
