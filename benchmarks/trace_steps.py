@@ -5,7 +5,13 @@ the host's wall time per step when the GPU never waits (host throughput), and th
 the step's kernel times from the profiler, with the kernels listed.  A cProfile of our
 own step shows which Python lines the host time is spent in.
 
-Usage: python benchmarks/trace_steps.py OUT_JSON [--only kd,pairs]
+Every variant is timed in ``--rounds`` interleaved rounds (the device machine's host
+drifts between and within calls; interleaving puts the drift on every variant alike).
+``lik_plugins (replan)`` is ours with the lowmem backward plans cleared before each step
+(the backward's host path before they existed), and ``--cpu-ops`` adds the profiler's
+CPU-side op table of one step (ours and each peer): what the host time is made of.
+
+Usage: python benchmarks/trace_steps.py OUT_JSON [--only kd,pairs] [--rounds 3] [--cpu-ops]
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import sys
 import time
 
@@ -32,6 +39,25 @@ def step_fn(impl, layout, Q, D, g):
         out = impl(Q, D, layout)
         out.backward(g)
     return step
+
+
+def replanning(impl):
+    from lik_plugins.kernels.triton import launch
+
+    def run(Q, D, layout):
+        launch._LOWMEM_PLANS.clear()
+        return impl(Q, D, layout)
+    return run
+
+
+def cpu_ops(step, reps=10, top=14):
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key[:60], e.count / reps, e.self_cpu_time_total / reps) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[2])
+    return rows[:top]
 
 
 def host_us(step, reps=50):
@@ -62,9 +88,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--only", default="kd 64,pairs,colpali in-batch 64,colbert in-batch 256,hard-neg")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cpu-ops", action="store_true")
     args = ap.parse_args()
-    impls = implementations()
-    impls.pop("eager", None)
+    impls = {name: impl for name, impl in implementations().items() if name not in ("eager", "lik_plugins fp8")}
+    impls["lik_plugins (replan)"] = replanning(impls["lik_plugins"])
     report = []
     for shape in SHAPES:
         if shape.kind != "train" or not any(p in shape.name for p in args.only.split(",")):
@@ -73,17 +101,28 @@ def main():
         Q.requires_grad_(); D.requires_grad_()
         with torch.no_grad():
             g = torch.randn_like(impls["lik_plugins"](Q, D, shape.layout).float())
-        for name, impl in impls.items():
-            step = step_fn(impl, shape.layout, Q, D, g)
-            row = {"shape": shape.name, "impl": name, "event_ms": event_ms(step, reps=50), "host_us": host_us(step)}
+        steps = {name: step_fn(impl, shape.layout, Q, D, g) for name, impl in impls.items()}
+        rounds = {name: [] for name in steps}
+        for _ in range(args.rounds):
+            for name, step in steps.items():
+                rounds[name].append((event_ms(step, reps=50), host_us(step)))
+        for name, step in steps.items():
+            events, hosts = zip(*rounds[name])
+            row = {"shape": shape.name, "impl": name, "event_ms": statistics.median(events),
+                   "event_ms_rounds": events, "host_us": statistics.median(hosts), "host_us_rounds": hosts}
             ks = kernels(step)
             row["kernel_us"] = sum(k[2] for k in ks)
             row["kernels"] = ks
             report.append(row)
-            print(f"{shape.name:26s} {name:26s} event {row['event_ms']*1e3:7.1f} us  host {row['host_us']:7.1f} us"
+            print(f"{shape.name:26s} {name:26s} event {row['event_ms']*1e3:7.1f} us "
+                  f"({', '.join(f'{e*1e3:.0f}' for e in events)})  host {row['host_us']:7.1f} us"
                   f"  kernels {row['kernel_us']:7.1f} us", flush=True)
             for k in ks[:8]:
                 print(f"      {k[1]:4.1f}x {k[2]:8.1f} us  {k[0]}")
+            if args.cpu_ops and name != "lik_plugins (replan)":
+                row["cpu_ops"] = cpu_ops(step)
+                for k in row["cpu_ops"]:
+                    print(f"      cpu {k[1]:4.1f}x {k[2]:8.1f} us  {k[0]}")
             if name == "lik_plugins":
                 pr = cProfile.Profile()
                 pr.enable()
