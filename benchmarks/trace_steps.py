@@ -50,6 +50,46 @@ def replanning(impl):
     return run
 
 
+def floor_impl():
+    """The host floor of a step like ours: an autograd Function that allocates what ours
+    allocates (scores and argmax; grad_Q, the row lists, grad_D) and makes one direct
+    launch each way, of a kernel that does nothing -- no validation, routing or planning.
+    What ours takes above it is our Python."""
+    import triton
+    import triton.language as tl
+
+    from lik_plugins.kernels.triton.direct import launch
+
+    @triton.jit
+    def nothing(x_ptr, n, FLAG: tl.constexpr):
+        pass
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, Q, D):
+            scores = torch.empty((Q.shape[0], D.shape[-3]), dtype=torch.float32, device=Q.device)
+            argmax = torch.empty((Q.shape[0], D.shape[-3], Q.shape[1]), dtype=torch.int16, device=Q.device)
+            launch(nothing, (1,), (scores, 1), {"FLAG": True}, static_key=("floor", 0), caller_tensors=())
+            ctx.save_for_backward(Q, D, argmax)
+            return scores
+
+        @staticmethod
+        def backward(ctx, grad):
+            Q, D, argmax = ctx.saved_tensors
+            grad_q = torch.empty_like(Q)
+            rows = torch.empty(argmax.shape, dtype=torch.int16, device=Q.device)
+            grad_d = torch.empty_like(D)
+            launch(nothing, (1,), (grad_d, 1), {"FLAG": False}, static_key=("floor", 1), caller_tensors=())
+            del rows
+            return grad_q, grad_d
+
+    def run(Q, D, layout):
+        if layout != "cross":
+            raise NotImplementedError("the floor is written for the cross product")
+        return Floor.apply(Q, D)
+    return run
+
+
 def cpu_ops(step, reps=10, top=14):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(reps):
@@ -93,6 +133,7 @@ def main():
     args = ap.parse_args()
     impls = {name: impl for name, impl in implementations().items() if name not in ("eager", "lik_plugins fp8")}
     impls["lik_plugins (replan)"] = replanning(impls["lik_plugins"])
+    impls["floor (autograd Function)"] = floor_impl()
     report = []
     for shape in SHAPES:
         if shape.kind != "train" or not any(p in shape.name for p in args.only.split(",")):
@@ -101,7 +142,8 @@ def main():
         Q.requires_grad_(); D.requires_grad_()
         with torch.no_grad():
             g = torch.randn_like(impls["lik_plugins"](Q, D, shape.layout).float())
-        steps = {name: step_fn(impl, shape.layout, Q, D, g) for name, impl in impls.items()}
+        steps = {name: step_fn(impl, shape.layout, Q, D, g) for name, impl in impls.items()
+                 if shape.layout == "cross" or not name.startswith("floor")}
         rounds = {name: [] for name in steps}
         for _ in range(args.rounds):
             for name, step in steps.items():
@@ -119,7 +161,7 @@ def main():
                   f"  kernels {row['kernel_us']:7.1f} us", flush=True)
             for k in ks[:8]:
                 print(f"      {k[1]:4.1f}x {k[2]:8.1f} us  {k[0]}")
-            if args.cpu_ops and name != "lik_plugins (replan)":
+            if args.cpu_ops and name in ("lik_plugins", "flash-maxsim", "late-interaction-kernels"):
                 row["cpu_ops"] = cpu_ops(step)
                 for k in row["cpu_ops"]:
                     print(f"      cpu {k[1]:4.1f}x {k[2]:8.1f} us  {k[0]}")

@@ -290,9 +290,10 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
         return torch.zeros(plan.out_shape[-2:], dtype=torch.float32, device=device), \
             (argmax.fill_(-1) if argmax is not None else None)
     scores = torch.empty(plan.out_shape, dtype=torch.float32, device=device)
+    # Q, D and the masks are the caller's (views at any offset); the rest is ours
     launch(plan.kernel, plan.grid,
            (Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else placeholder, *plan.ints),
-           plan.meta, static_key=key if after_launch is None else None)
+           plan.meta, static_key=key if after_launch is None else None, caller_tensors=(Q, D, qm, dm, rq, rd))
     if after_launch is not None:
         after_launch()
     return (scores if plan.n_chunks == 1 else scores.sum(0)), argmax
@@ -565,7 +566,9 @@ def _lowmem_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, q_
     args = (grad, Q, D, rq, rd, argmax, grad_d, placeholder if grad_q is None else grad_q, *plan.ints)
     if plan.with_rows_arg:
         args += (placeholder if rows is None else rows,)
-    launch(plan.kernel, plan.grid, args, plan.meta, static_key=key if after_launch is None else None)
+    # the caller's: grad (autograd's, any view), Q, D, the argmax (a view for pairs); the rest is ours
+    launch(plan.kernel, plan.grid, args, plan.meta, static_key=key if after_launch is None else None,
+           caller_tensors=(grad, Q, D, argmax))
     if after_launch is not None:
         after_launch()
     del rows
