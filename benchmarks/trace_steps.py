@@ -50,20 +50,26 @@ def replanning(impl):
     return run
 
 
+def _nothing_kernel():
+    # module-level names: Triton resolves a kernel's globals in its module
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def nothing(x_ptr, n, FLAG: tl.constexpr):
+        pass
+    return nothing
+
+
 def floor_impl():
     """The host floor of a step like ours: an autograd Function that allocates what ours
     allocates (scores and argmax; grad_Q, the row lists, grad_D) and makes one direct
     launch each way, of a kernel that does nothing -- no validation, routing or planning.
     What ours takes above it is our Python."""
-    import triton
-    import triton.language as tl
-
     from lik_plugins.kernels.triton.direct import launch
 
-    @triton.jit
-    def nothing(x_ptr, n, FLAG: tl.constexpr):
-        pass
-
+    nothing = _nothing_kernel()
     class Floor(torch.autograd.Function):
         @staticmethod
         def forward(ctx, Q, D):

@@ -1,0 +1,64 @@
+"""fp8 inference forward: rows per program and documents per program.
+
+The fp8 path kept the 16-bit choices without its own measurement: 256-row programs
+(``launch.WIDE_BLOCK_M``) and one document per program (``launch.docs_per_program``
+returns 1 for fp8).  This times the fp8 no-grad forward (documents and queries
+quantised beforehand, so the scoring launch alone) on the search shapes for 128 / 256
+rows and 1 / 4 documents per program, each variant with its own autotuning; the scores
+must not change.
+
+Usage: python benchmarks/sweep_fp8_blocking.py OUT_JSON
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, ".")
+import lik_plugins as lik  # noqa: E402
+from lik_plugins.kernels.triton import launch, tuning  # noqa: E402
+
+SHAPES = [("search 64x4096 Lq32", 64, 4096, 32, 256), ("search 64x4096 Lq128", 64, 4096, 128, 256)]
+
+
+def main(out):
+    rows = []
+    default_rule, default_wide = launch.docs_per_program, launch.WIDE_BLOCK_M
+    for name, nq, nd, lq, ld in SHAPES:
+        Q = torch.nn.functional.normalize(torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
+        D = torch.nn.functional.normalize(torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
+        q8, d8 = lik.quantize_fp8(Q), lik.quantize_fp8(D)
+        ref = None
+        for wide in (256, 128):
+            for dpp in (1, 4):
+                launch.WIDE_BLOCK_M = wide
+                launch.docs_per_program = lambda nj, *_, dpp=dpp: dpp if nj % dpp == 0 else 1
+                tuning._chosen.clear()
+                launch.clear_plans()
+
+                def fwd():
+                    return launch.forward(q8.values, d8.values, None, None, cross=True, normalize=False,
+                                          zero_mode=False, save_argmax=False, scales=(q8.scales, d8.scales))[0]
+                got = fwd()
+                ref = got if ref is None else ref
+                diff = ((got - ref).abs().max() / ref.abs().max()).item()
+                ms = do_bench(fwd, rep=200)
+                flops = 2 * nq * nd * lq * ld * 128
+                rows.append({"shape": name, "rows_per_program": wide, "docs_per_program": dpp, "ms": ms,
+                             "tflops": flops / ms / 1e9, "diff_vs_first": diff})
+                print(f"{name:24s} rows {wide:3d} docs {dpp}: {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
+                      f"(diff {diff:.1e})", flush=True)
+                with open(out, "w") as f:
+                    json.dump(rows, f, indent=1)
+        launch.docs_per_program, launch.WIDE_BLOCK_M = default_rule, default_wide
+        launch.clear_plans()
+        tuning._chosen.clear()
+        del Q, D, q8, d8
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
