@@ -161,3 +161,40 @@ def test_backward_plans_are_reused_per_geometry_and_stay_exact(monkeypatch, rout
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     launch.clear_plans()
     assert launch._LOWMEM_PLANS == {}
+
+
+def test_compact_row_lists_are_freed_before_a_separate_gather(monkeypatch):
+    """The peak of a compact lowmem backward whose gather runs alone: the int16 row lists
+    (the argmax's size) must be gone when grad_Q is allocated and gathered."""
+    import gc
+
+    from lik_plugins._config import triton_interpret
+
+    if not triton_interpret():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    import lik_plugins as lik
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    monkeypatch.setattr(launch, "COMPACT_MIN_WORK", 1)
+    monkeypatch.setattr(launch, "GATHER_ALONE_MIN_PROGRAMS", 1)   # the gather never rides
+    nq, lq, nj = 3, 6, 4
+    live_lists = []
+    real_gather = launch._gather_pass
+
+    def gather(*args, **kw):
+        gc.collect()
+        # type(), not isinstance(): some module proxies warn when their __class__ is read
+        live_lists.append(sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor)
+                              and o.dtype == torch.int16 and tuple(o.shape) == (nj, nq * lq)))
+        return real_gather(*args, **kw)
+
+    monkeypatch.setattr(launch, "_gather_pass", gather)
+    g = torch.Generator().manual_seed(2)
+    Q = torch.randn(nq, lq, 16, generator=g, requires_grad=True)
+    D = torch.randn(nj, 9, 16, generator=g, requires_grad=True)
+    launch.clear_plans()
+    for _ in range(2):  # the call that makes the plan and the one that replays it
+        lik.maxsim(Q, D, backward="lowmem").sum().backward()
+    launch.clear_plans()
+    assert live_lists == [0, 0]

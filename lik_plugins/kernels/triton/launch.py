@@ -571,7 +571,7 @@ def _lowmem_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, q_
            caller_tensors=(grad, Q, D, argmax))
     if after_launch is not None:
         after_launch()
-    del rows
+    del rows, args  # the argument tuple holds the row lists too: both go before grad_Q is allocated
     if plan.gather == "alone":
         grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format)
         _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, None, cross=cross, normalize=normalize)
