@@ -15,11 +15,12 @@ import json
 import sys
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks")
 import lik_plugins as lik  # noqa: E402
 from lik_plugins.kernels.triton import launch, tuning  # noqa: E402
+from sweep_rows import time_variant  # noqa: E402
 
 SHAPES = [("search 64x4096 Lq32", 64, 4096, 32, 256), ("search 64x4096 Lq128", 64, 4096, 128, 256)]
 
@@ -49,12 +50,10 @@ def main(out):
                     print(f"{name:24s} rows {wide:3d} docs {dpp}: {e!r}"[:300], flush=True)
                     continue
                 ref = got if ref is None else ref
-                diff = ((got - ref).abs().max() / ref.abs().max()).item()
-                ms = do_bench(fwd, rep=200)
-                flops = 2 * nq * nd * lq * ld * 128
+                ms, tflops, diff = time_variant(fwd, got, ref, 2 * nq * nd * lq * ld * 128)
                 rows.append({"shape": name, "rows_per_program": wide, "docs_per_program": dpp, "ms": ms,
-                             "tflops": flops / ms / 1e9, "diff_vs_first": diff})
-                print(f"{name:24s} rows {wide:3d} docs {dpp}: {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
+                             "tflops": tflops, "diff_vs_first": diff})
+                print(f"{name:24s} rows {wide:3d} docs {dpp}: {ms:7.3f} ms {tflops:6.0f} TFLOP/s "
                       f"(diff {diff:.1e})", flush=True)
                 with open(out, "w") as f:
                     json.dump(rows, f, indent=1)

@@ -68,6 +68,14 @@ def main(out, train=False):
         json.dump(rows, f, indent=1)
 
 
+def time_variant(fwd, got, ref, flops):
+    """(ms, TFLOP/s, max difference relative to ``ref``) of one variant's forward ``fwd``,
+    whose output ``got`` is already computed."""
+    diff = ((got - ref).abs().max() / ref.abs().max()).item()
+    ms = do_bench(fwd, rep=200)
+    return ms, flops / ms / 1e9, diff
+
+
 def epilogue(out):
     import lik_plugins as lik
 
@@ -87,12 +95,10 @@ def epilogue(out):
                                              save_argmax=False, scales=scales)[0]
                 got = fwd()
                 ref = got if ref is None else ref
-                diff = ((got - ref).abs().max() / ref.abs().max()).item()
-                ms = do_bench(fwd, rep=200)
-                flops = 2 * nq * nd * lq * ld * 128
+                ms, tflops, diff = time_variant(fwd, got, ref, 2 * nq * nd * lq * ld * 128)
                 rows.append({"shape": name, "dtype": dtype, "running_max": running, "ms": ms,
-                             "tflops": flops / ms / 1e9, "diff_vs_per_tile": diff})
-                print(f"{name:28s} {dtype} running_max {running!s:5s}: {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s "
+                             "tflops": tflops, "diff_vs_per_tile": diff})
+                print(f"{name:28s} {dtype} running_max {running!s:5s}: {ms:8.3f} ms {tflops:6.0f} TFLOP/s "
                       f"(diff {diff:.1e})", flush=True)
         launch.RUNNING_MAX = True
         launch.clear_plans()
