@@ -7,7 +7,7 @@ quantised beforehand, so the scoring launch alone) on the search shapes for 128 
 rows and 1 / 4 documents per program, each variant with its own autotuning; the scores
 must not change.
 
-Usage: python benchmarks/sweep_fp8_blocking.py OUT_JSON
+Usage: python benchmarks/sweep_fp8_blocking.py OUT_JSON [NAME_SUBSTRING,...]
 """
 from __future__ import annotations
 
@@ -22,13 +22,18 @@ import lik_plugins as lik  # noqa: E402
 from lik_plugins.kernels.triton import launch, tuning  # noqa: E402
 from sweep_rows import time_variant  # noqa: E402
 
-SHAPES = [("search 64x4096 Lq32", 64, 4096, 32, 256), ("search 64x4096 Lq128", 64, 4096, 128, 256)]
+# the two search shapes were measured in session 10 (NOTES v16); the other Lq 32 shapes decide
+# whether "fp8, Lq <= 32: 128 rows x 4 documents" can become the rule
+SHAPES = [("search 64x4096 Lq32", 64, 4096, 32, 256), ("search 64x4096 Lq128", 64, 4096, 128, 256),
+          ("in-batch 256 Lq32", 256, 256, 32, 256), ("colpali 16x1000 Lq32", 16, 1000, 32, 1030)]
 
 
-def main(out):
+def main(out, only=None):
     rows = []
     default_rule, default_wide = launch.docs_per_program, launch.WIDE_BLOCK_M
     for name, nq, nd, lq, ld in SHAPES:
+        if only and not any(part in name for part in only.split(",")):
+            continue
         Q = torch.nn.functional.normalize(torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
         D = torch.nn.functional.normalize(torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16), dim=-1)
         q8, d8 = lik.quantize_fp8(Q), lik.quantize_fp8(D)
@@ -65,4 +70,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
