@@ -161,6 +161,32 @@ def _doc_winners(ARG, o_rr, r_hi, i_j, n_j, lq):
 
 
 @triton.jit
+def _one_hot_round(b_acc, b_a, i_q, i_s, m_r, o_t, o_h, m_h, i_j, G, Q, RQ, lq, s_gi, s_gj, s_qi, s_qs, s_qh,
+                   NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                   GUARD_ROWS: tl.constexpr):
+    """One round of a grad_D tile's one-hot product: query rows ``(i_q, i_s)`` (valid where
+    ``m_r``) whose winning token ``b_a`` (-1: none) is among ``o_t`` add ``g * q`` to that
+    token's row of ``b_acc``."""
+    b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_r, other=0.0)
+    if NORMALIZE:
+        b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_r, other=0.0)
+    b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
+                  mask=m_r[:, None] & m_h[None, :], other=0.0)                        # [BR, DP]
+    if GUARD_ROWS:
+        # rows without a winner (masked query tokens): 0 * NaN must not leak.  Only
+        # with a query mask: the select sends the rows through registers and back to
+        # shared memory, which cost 40 % on an H100 (NOTES v9)
+        b_q = tl.where((b_a >= 0)[:, None], b_q, 0.0)
+    if F32_DOT or UPCAST:
+        b_q = b_q.to(tl.float32)
+    b_w = tl.where(b_a[None, :] == o_t[:, None], b_g[None, :], 0.0)                      # [BT, BR] one-hot * g
+    # bf16 operands, as the host's own bf16 backward rounds its incoming gradient
+    if not (F32_DOT or UPCAST):
+        b_w = b_w.to(b_q.dtype)
+    return tl.dot(b_w, b_q, b_acc, input_precision=PRECISION)                          # [BT, BR] @ [BR, DP]
+
+
+@triton.jit
 def _doc_body(
     pid,
     G, Q, D, RQ, RD, ARG, GD,
@@ -204,26 +230,8 @@ def _doc_body(
         b_a = b_a_next
         b_a_next = _doc_winners(ARG, r0 + BLOCK_R + o_r, r_hi, i_j, n_j, lq)
         o_rr = r0 + o_r
-        m_r = o_rr < r_hi
-        i_q = o_rr // lq
-        i_s = o_rr % lq
-        b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_r, other=0.0)
-        if NORMALIZE:
-            b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_r, other=0.0)
-        b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
-                      mask=m_r[:, None] & m_h[None, :], other=0.0)                    # [BR, DP]
-        if GUARD_ROWS:
-            # rows without a winner (masked query tokens): 0 * NaN must not leak.  Only
-            # with a query mask: the select sends the rows through registers and back to
-            # shared memory, which cost 40 % on an H100 (NOTES v9)
-            b_q = tl.where((b_a >= 0)[:, None], b_q, 0.0)
-        if F32_DOT or UPCAST:
-            b_q = b_q.to(tl.float32)
-        b_w = tl.where(b_a[None, :] == o_t[:, None], b_g[None, :], 0.0)                  # [BT, BR] one-hot * g
-        # bf16 operands, as the host's own bf16 backward rounds its incoming gradient
-        if not (F32_DOT or UPCAST):
-            b_w = b_w.to(b_q.dtype)
-        b_acc = tl.dot(b_w, b_q, b_acc, input_precision=PRECISION)                     # [BT, BR] @ [BR, DP]
+        b_acc = _one_hot_round(b_acc, b_a, o_rr // lq, o_rr % lq, o_rr < r_hi, o_t, o_h, m_h, i_j, G, Q, RQ, lq,
+                               s_gi, s_gj, s_qi, s_qs, s_qh, NORMALIZE, F32_DOT, PRECISION, UPCAST, GUARD_ROWS)
 
     _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
                   s_rdi, s_rdj, NORMALIZE)
@@ -298,20 +306,11 @@ def _compact_doc_body(
         o_k = k0 + o_r
         b_r_next = tl.load(p_rows + o_k + BLOCK_R, mask=o_k + BLOCK_R < n_hits, other=0).to(tl.int32)
         m_k = o_k < n_hits
-        i_q = b_r // lq
-        i_s = b_r % lq
-        b_w = _doc_winners(ARG, b_r, n_rows, i_j, n_j, lq)
-        b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_k, other=0.0)
-        if NORMALIZE:
-            b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_k, other=0.0)
-        b_q = tl.load(Q + i_q[:, None] * s_qi + i_s[:, None] * s_qs + o_h[None, :] * s_qh,
-                      mask=m_k[:, None] & m_h[None, :], other=0.0)                       # [BR, DP]
-        if F32_DOT or UPCAST:
-            b_q = b_q.to(tl.float32)
-        b_w1 = tl.where((b_w[None, :] == o_t[:, None]) & m_k[None, :], b_g[None, :], 0.0)  # [BT, BR]
-        if not (F32_DOT or UPCAST):
-            b_w1 = b_w1.to(b_q.dtype)   # bf16 operands, as in the dense kernel
-        b_acc = tl.dot(b_w1, b_q, b_acc, input_precision=PRECISION)
+        # past the list's end: no winner (-1), like the dense walk's padding
+        b_a = tl.where(m_k, _doc_winners(ARG, b_r, n_rows, i_j, n_j, lq), -1)
+        # a listed row always has a winner: nothing to guard
+        b_acc = _one_hot_round(b_acc, b_a, b_r // lq, b_r % lq, m_k, o_t, o_h, m_h, i_j, G, Q, RQ, lq,
+                               s_gi, s_gj, s_qi, s_qs, s_qh, NORMALIZE, F32_DOT, PRECISION, UPCAST, False)
     _store_grad_d(b_acc, D, RD, GD, i_j * 0, i_j, i_j, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
                   s_rdi, s_rdj, NORMALIZE)
 
