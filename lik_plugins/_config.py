@@ -28,9 +28,32 @@ import os
 _TRUE = {"1", "true", "yes", "on"}
 BACKENDS = ("auto", "triton", "torch-chunked", "reference")
 
+# ``os.environ.get`` encodes the key and decodes the value on every call: ~2 us on the CPU
+# machine, and a launch-bound training step reads four or five variables (routing, the
+# kill switch, the direct launch per kernel) -- a tenth of our host time per step
+# (benchmarks/NOTES.md, v17).  CPython's mapping keeps the encoded process environment in
+# ``os.environ._data``, which every ``os.environ[...] = ...`` / ``del`` / ``update`` writes
+# through, so looking the encoded key up there is the same read, still made at call time.
+# Where that layout is absent, the public mapping is used.
+_RAW = getattr(os.environ, "_data", None)
+_ENCODE_KEY = getattr(os.environ, "encodekey", None)
+_DECODE_VALUE = getattr(os.environ, "decodevalue", None)
+_FAST = isinstance(_RAW, dict) and callable(_ENCODE_KEY) and callable(_DECODE_VALUE)
+_KEYS: dict = {}
+
+
+def _getenv(name: str, default: str) -> str:
+    if not _FAST:
+        return os.environ.get(name, default)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = _ENCODE_KEY(name)
+    raw = _RAW.get(key)
+    return default if raw is None else _DECODE_VALUE(raw)
+
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
+    return _getenv(name, "").strip().lower() in _TRUE
 
 
 def disabled() -> bool:
@@ -39,11 +62,11 @@ def disabled() -> bool:
 
 
 def direct_launch_enabled() -> bool:
-    return os.environ.get("LIK_DIRECT_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _getenv("LIK_DIRECT_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def forced_backend() -> str:
-    value = os.environ.get("LIK_BACKEND", "auto").strip().lower() or "auto"
+    value = _getenv("LIK_BACKEND", "auto").strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"LIK_BACKEND={value!r} is not one of {', '.join(BACKENDS)}")
     return value
@@ -54,10 +77,10 @@ def triton_interpret() -> bool:
 
 
 def chunk_elements() -> int:
-    return int(os.environ.get("LIK_CHUNK_ELEMENTS", str(1 << 24)))
+    return int(_getenv("LIK_CHUNK_ELEMENTS", str(1 << 24)))
 
 
 def scores_backend(variable: str, default: str = "auto") -> str:
     """A host's ``*_SCORES_BACKEND`` value, lower-cased and otherwise as the host reads it
     (validation is the host adapter's: each host has its own accepted values and error)."""
-    return os.environ.get(variable, default).lower()
+    return _getenv(variable, default).lower()

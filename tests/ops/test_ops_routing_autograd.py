@@ -251,6 +251,34 @@ def test_kill_switch_is_read_at_call_time(gen, monkeypatch):
     assert rel_err(disabled, enabled) < 1e-6
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["encoded-mapping", "os.environ.get"])
+def test_environment_reads_see_every_way_of_changing_it(monkeypatch, fast):
+    """Our variables are read through CPython's encoded environment mapping (cheaper than
+    ``os.environ.get``); assignment, update, pop, ``del`` and pytest's monkeypatch must all
+    be visible on the next call, exactly as through the public mapping."""
+    import os
+
+    from lik_plugins import _config
+
+    monkeypatch.setattr(_config, "_FAST", fast and _config._FAST)
+    monkeypatch.delenv("LIK_DISABLE", raising=False)
+    monkeypatch.delenv("LIK_BACKEND", raising=False)
+    assert not _config.disabled() and _config.forced_backend() == "auto"
+    monkeypatch.setenv("LIK_DISABLE", "Yes")
+    assert _config.disabled()
+    os.environ["LIK_DISABLE"] = "0"
+    assert not _config.disabled()
+    os.environ.update(LIK_BACKEND=" Torch-Chunked ", LIK_CHUNK_ELEMENTS="4096")
+    assert _config.forced_backend() == "torch-chunked" and _config.chunk_elements() == 4096
+    os.environ.pop("LIK_BACKEND")
+    del os.environ["LIK_CHUNK_ELEMENTS"]
+    assert _config.forced_backend() == "auto" and _config.chunk_elements() == 1 << 24
+    monkeypatch.setenv("LIK_DIRECT_LAUNCH", "off")
+    assert not _config.direct_launch_enabled()
+    monkeypatch.setenv("PYLATE_SCORES_BACKEND", "LIK")
+    assert _config.scores_backend("PYLATE_SCORES_BACKEND") == "lik"
+
+
 def test_kill_switch_output_dtype(gen, monkeypatch):
     """The plain formulation returns float32 scores for half inputs (float64 for float64),
     like every other path."""
