@@ -31,6 +31,8 @@ SHAPES = [("search 64x4096 Lq32", 64, 4096, 32, 256), ("search 64x4096 Lq128", 6
 def main(out, only=None):
     rows = []
     default_rule, default_wide = launch.docs_per_program, launch.WIDE_BLOCK_M
+    default_short = launch.FP8_SHORT_QUERY_MAX_LQ
+    launch.FP8_SHORT_QUERY_MAX_LQ = 0   # the variants below set the blocking themselves
     for name, nq, nd, lq, ld in SHAPES:
         if only and not any(part in name for part in only.split(",")):
             continue
@@ -63,6 +65,7 @@ def main(out, only=None):
                 with open(out, "w") as f:
                     json.dump(rows, f, indent=1)
         launch.docs_per_program, launch.WIDE_BLOCK_M = default_rule, default_wide
+        launch.FP8_SHORT_QUERY_MAX_LQ = default_short
         launch.clear_plans()
         tuning._chosen.clear()
         del Q, D, q8, d8

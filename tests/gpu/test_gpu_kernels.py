@@ -198,7 +198,7 @@ def test_non_finite_inputs_do_not_crash():
 
 # ------------------------------------------------------------------ fp8 inference
 @pytest.mark.parametrize("shape", [
-    (64, 512, 32, 256, 128, False),    # search: 256-row programs, autotuned
+    (64, 512, 32, 256, 128, False),    # search: 128-row programs of 4 documents (fp8, Lq <= 32), autotuned
     (4, 100, 32, 1030, 128, False),    # ColPali documents
     (2, 64, 300, 200, 128, False),     # long queries: row chunks
     (16, 8, 32, 180, 96, True),        # per-query candidates, d not a power of two

@@ -447,3 +447,23 @@ def test_documents_per_forward_program_rule():
     assert launch.docs_per_program(4096, 256, big - 1, False, 2) == 1       # small launch
     assert launch.docs_per_program(1000, 1030, big, False, 2) == 1          # long documents ...
     assert launch.docs_per_program(1000, 1030, 2 * big, False, 2) == n      # ... on a big launch
+
+
+def test_fp8_short_queries_take_128_row_programs_of_several_documents():
+    """fp8 with Lq <= 32: 128-row programs of FORWARD_DOCS_PER_PROGRAM documents where the
+    launch is big enough, 256 x 1 elsewhere (as measured on an H100); 16-bit unchanged."""
+    from lik_plugins.kernels.triton import launch
+
+    n = launch.FORWARD_DOCS_PER_PROGRAM
+
+    def blocking(nq, lq, nj, ld, elem=1, cross=True):
+        return launch.forward_blocking(nq, lq, nj, ld, cross=cross, elem=elem, d_pad=128, save_argmax=False)
+
+    assert blocking(64, 32, 4096, 256) == (32, 4, 1, n)            # search: 128 rows x 4 documents
+    assert blocking(256, 32, 256, 256) == (32, 4, 1, n)            # in-batch 256
+    assert blocking(16, 32, 1000, 1030) == (32, 8, 1, 1)           # ColPali 16x1000: too few programs
+    assert blocking(64, 128, 4096, 256) == (128, 2, 1, 1)          # Lq 128 keeps 256 x 1
+    assert blocking(1, 32, 100_000, 300) == (32, 1, 1, 1)          # one query: no taller block to split
+    assert blocking(64, 32, 4096, 256, cross=False) == (32, 1, 1, 1)
+    assert blocking(64, 32, 4096, 256, elem=2) == (32, 8, 1, n)    # bf16: 256 rows x 4 documents
+    assert launch.forward_blocking(64, 32, 4096, 256, cross=True, elem=1, d_pad=128, save_argmax=True)[3] == 1

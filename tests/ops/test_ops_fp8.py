@@ -113,6 +113,29 @@ def test_maxsim_fp8_long_query_and_wide_tokens(gen, monkeypatch, backend):
     assert rel_err(lik.maxsim_fp8(q, d, qm, dm), spec) < 1e-5
 
 
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.id == "triton"])
+@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
+def test_maxsim_fp8_short_queries_in_programs_of_several_documents(gen, monkeypatch, backend, mask_mode):
+    """The blocking fp8 takes for short queries on big launches (128 rows, several
+    documents per program), brought down to a small launch: same numbers as the spec."""
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setenv("LIK_BACKEND", backend)
+    monkeypatch.setattr(launch, "FORWARD_MULTI_DOC_MIN_PROGRAMS", 1)
+    nq, lq, nj, ld, dim = 9, 32, 8, 70, 48
+    rows, qpb, _, dpp = launch.forward_blocking(nq, lq, nj, ld, cross=True, elem=1, d_pad=64, save_argmax=False)
+    assert rows * qpb == launch.TARGET_BLOCK_M and dpp == launch.FORWARD_DOCS_PER_PROGRAM > 1
+    Q, D, qm, dm = make_inputs(gen, "cross", nq, nj, lq, ld, dim)
+    q, d = lik.quantize_fp8(Q), lik.quantize_fp8(D)
+    launch.clear_plans()
+    try:
+        scores = lik.maxsim_fp8(q, d, qm, dm, mask_mode=mask_mode)
+    finally:
+        launch.clear_plans()
+    spec = reference.maxsim_fp8(q, d, qm, dm, mask_mode=mask_mode, dtype=torch.float64)
+    assert rel_err(scores, spec) < 1e-5
+
+
 def test_maxsim_fp8_is_close_to_full_precision(gen):
     # what fp8 costs: a few tenths of a percent of a typical score, never more than 2 %
     Q = torch.nn.functional.normalize(torch.randn(8, 32, 128, generator=gen), dim=-1)

@@ -106,16 +106,44 @@ FORWARD_DOCS_PER_PROGRAM = 4
 FORWARD_MULTI_DOC_MIN_PROGRAMS = 8192   # programs at one document each; twice that for Ld > 256
 
 
+# fp8 inference with queries up to this long: 128-row programs (TARGET_BLOCK_M) with
+# FORWARD_DOCS_PER_PROGRAM documents each, wherever the 16-bit multi-document rule would take
+# such a launch; otherwise fp8 keeps the 256 x 1 blocking.  On an H100 (fp8 forward alone,
+# each variant autotuned; NOTES v16-v17, results/h100/sweep_fp8_blocking*.json), 256 x 1 ->
+# 128 x 4: search 64x4096 Lq 32 0.958 -> 0.819 ms, in-batch 256 0.212 -> 0.214 (within
+# noise); not taken: ColPali 16x1000 (4000 programs; 0.197 -> 0.223) and Lq 128 (3.14 ->
+# 3.24-3.29).  0 turns the rule off (the sweep does, to time 256 x 1).
+FP8_SHORT_QUERY_MAX_LQ = 32
+
+
+def _multi_doc(nj: int, ld: int, n_programs: int) -> bool:
+    """A launch big enough for several documents per program (see FORWARD_DOCS_PER_PROGRAM)."""
+    if FORWARD_DOCS_PER_PROGRAM <= 1 or nj % FORWARD_DOCS_PER_PROGRAM:
+        return False
+    return n_programs >= FORWARD_MULTI_DOC_MIN_PROGRAMS * (2 if ld > 256 else 1)
+
+
 def docs_per_program(nj: int, ld: int, n_programs: int, save_argmax: bool, elem: int) -> int:
-    """Documents each forward program scores (see FORWARD_DOCS_PER_PROGRAM): only where it
-    was measured faster -- 16-bit inference, big launches, short documents or very many
-    programs -- and only when it divides the document count."""
-    dpp = FORWARD_DOCS_PER_PROGRAM
-    if save_argmax or elem != 2 or dpp <= 1 or nj % dpp:
+    """Documents each 16-bit forward program scores (see FORWARD_DOCS_PER_PROGRAM): only where
+    it was measured faster -- inference, big launches, short documents or very many
+    programs -- and only when it divides the document count.  (fp8: :func:`forward_blocking`.)"""
+    if save_argmax or elem != 2 or not _multi_doc(nj, ld, n_programs):
         return 1
-    if n_programs < FORWARD_MULTI_DOC_MIN_PROGRAMS or (ld > 256 and n_programs < 2 * FORWARD_MULTI_DOC_MIN_PROGRAMS):
-        return 1
-    return dpp
+    return FORWARD_DOCS_PER_PROGRAM
+
+
+def forward_blocking(nq: int, lq: int, nj: int, ld: int, *, cross: bool, elem: int, d_pad: int,
+                     save_argmax: bool) -> tuple[int, int, int, int]:
+    """(ROWS_PER_Q, QPB, n_chunks, documents per program) of a forward launch: 256-row
+    programs for 16-bit or fp8 operands up to 128 wide (WIDE_BLOCK_M), else 128; fp8 with
+    short queries as FP8_SHORT_QUERY_MAX_LQ says."""
+    wide = elem <= 2 and d_pad <= 128
+    rows, qpb, n_chunks = row_blocking(lq, nq, cross, WIDE_BLOCK_M if wide else TARGET_BLOCK_M)
+    if elem == 1 and not save_argmax and lq <= FP8_SHORT_QUERY_MAX_LQ and rows * qpb > TARGET_BLOCK_M:
+        rows_s, qpb_s, chunks_s = row_blocking(lq, nq, cross, TARGET_BLOCK_M)
+        if _multi_doc(nj, ld, nj * cdiv(nq, qpb_s) * chunks_s):
+            return rows_s, qpb_s, chunks_s, FORWARD_DOCS_PER_PROGRAM
+    return rows, qpb, n_chunks, docs_per_program(nj, ld, nj * cdiv(nq, qpb) * n_chunks, save_argmax, elem)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -210,8 +238,8 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     # the MMA's K is at least 16 (16-bit) or 32 (fp8) elements
     d_pad = max(32 if elem == 1 else 16, next_pow2(dim))
     assert not quant_q or (elem == 1 and k_tile(d_pad) == d_pad), "fused query quantisation: fp8 D, d <= 256"
-    wide = elem <= 2 and d_pad <= 128
-    rows, qpb, n_chunks = row_blocking(lq, nq, cross, WIDE_BLOCK_M if wide else TARGET_BLOCK_M)
+    rows, qpb, n_chunks, dpp = forward_blocking(nq, lq, nj, ld, cross=cross, elem=elem, d_pad=d_pad,
+                                                save_argmax=save_argmax)
     n_qblocks = cdiv(nq, qpb)
     # one row chunk (Lq <= 128, the common case) writes the final scores directly
     out_shape = (nq, nj) if n_chunks == 1 else (n_chunks, nq, nj)
@@ -222,7 +250,6 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     s_rdi, s_rdj = _norm_strides(rd, cross, scaled)
     s_qmi, s_qms = s_qm if has_qm else (0, 0)
     running_max = RUNNING_ARGMAX if save_argmax else (RUNNING_MAX and elem == 1)
-    dpp = docs_per_program(nj, ld, nj * n_qblocks * n_chunks, save_argmax, elem)
     n_programs = nj // dpp * n_qblocks * n_chunks
     kernel, meta, after_launch = forward_kernel_and_meta(
         rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=(Q.dtype, D.dtype) if quant_q else Q.dtype,
