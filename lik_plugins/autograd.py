@@ -59,10 +59,13 @@ def choose_backward(strategy: str, *, cross: bool, shape: tuple[int, int, int, i
 class MaxSimFunction(torch.autograd.Function):
     """``pairs``: ``D`` is ``[B, Ld, d]`` and the scores ``[B]``; the launchers see it as one
     candidate per query.  The views are taken in here, not by the caller, so autograd
-    records one node per call instead of three (each node costs host time per step)."""
+    records one node per call instead of three (each node costs host time per step).
+    ``options = (cross, normalize, zero_mode, strategy, path, pairs)``: one argument, not six,
+    since ``apply`` walks every argument on every call."""
 
     @staticmethod
-    def forward(ctx, Q, D, q_mask, d_mask, cross, normalize, zero_mode, strategy, path, pairs=False):
+    def forward(ctx, Q, D, q_mask, d_mask, options):
+        cross, normalize, zero_mode, strategy, path, pairs = options
         impl = implementation(path)
         needs_grad = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         D_view = D.unsqueeze(1) if pairs else D
@@ -90,4 +93,4 @@ class MaxSimFunction(torch.autograd.Function):
         )
         if pairs and grad_d is not None:
             grad_d = grad_d.squeeze(1)
-        return grad_q, grad_d, None, None, None, None, None, None, None, None
+        return grad_q, grad_d, None, None, None

@@ -37,15 +37,16 @@ def _check_tensor(name: str, x, rank: int | tuple[int, ...]) -> None:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
 
 
-def _check_mask(name: str, mask, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+def _check_mask(name: str, mask, shape: tuple[int, ...], owner) -> torch.Tensor | None:
+    """``owner``: the tokens the mask belongs to (its ``.device`` is read only when there is a mask)."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
     if tuple(mask.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(mask.shape)}")
-    if mask.device != device:
-        raise ValueError(f"{name} is on {mask.device} but the embeddings are on {device}")
+    if mask.device != owner.device:
+        raise ValueError(f"{name} is on {mask.device} but the embeddings are on {owner.device}")
     if mask.is_complex():
         raise TypeError(f"{name} must be bool or a real 0/1 tensor, got {mask.dtype}")
     # Non-zero = valid.  bool stays as is (the kernels read its bytes without a copy).
@@ -73,7 +74,8 @@ def _check_geometry(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask):
     """Device, embedding dim, per-query candidate count and masks of ``Q [Nq, Lq, d]``
     against ``D [Nd, Ld, d]`` or ``[Nq, K, Ld, d]`` (token tensors of any dtype: the fp8
     path checks its values with it too).  Returns ``(q_mask, d_mask, cross)``."""
-    if Q.device != D.device:
+    # is_cuda and the device index are plain attributes; a torch.device is built only off CUDA
+    if Q.is_cuda != D.is_cuda or Q.get_device() != D.get_device() or (not Q.is_cuda and Q.device != D.device):
         raise ValueError(f"Q is on {Q.device} but D is on {D.device}; move both to one device")
     if Q.shape[-1] != D.shape[-1]:
         raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, D has d={D.shape[-1]}")
@@ -82,8 +84,8 @@ def _check_geometry(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask):
         raise ValueError(
             f"per-query candidates D [Nq, K, Ld, d] must have Nq={nq} like Q, got D shape {tuple(D.shape)}"
         )
-    q_mask = _check_mask("q_mask", q_mask, (nq, lq), Q.device)
-    d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:-1]), D.device)
+    q_mask = _check_mask("q_mask", q_mask, (nq, lq), Q)
+    d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:-1]), D)
     return q_mask, d_mask, D.dim() == 3
 
 
@@ -104,8 +106,8 @@ def _run(entry, Q, D, q_mask, d_mask, cross, *, normalize, backward, mask_mode, 
             out, _ = implementation(path).forward(Q, D, q_mask, d_mask, cross=cross, normalize=bool(normalize),
                                                   zero_mode=mask_mode == "zero", save_argmax=False)
         return out.squeeze(1) if pairs else out
-    return MaxSimFunction.apply(Q, D, q_mask, d_mask, cross, bool(normalize), mask_mode == "zero", backward, path,
-                                pairs)
+    return MaxSimFunction.apply(Q, D, q_mask, d_mask,
+                                (cross, bool(normalize), mask_mode == "zero", backward, path, pairs))
 
 
 def maxsim(
@@ -257,7 +259,7 @@ def _retrieve_fp8(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, l
     if D.values.dim() != 3:
         raise ValueError(f"retrieve needs an fp8 index [Nd, Ld, d], got shape {tuple(D.values.shape)}")
     q = _as_tokens("Q", Q, (3,))  # quantised once for every chunk
-    d_mask = _check_mask("d_mask", d_mask, tuple(D.values.shape[:-1]), D.device)
+    d_mask = _check_mask("d_mask", d_mask, tuple(D.values.shape[:-1]), D)
     _routing.record("retrieve", served_by_fp8(q.values))
 
     def score(start, stop, dm):

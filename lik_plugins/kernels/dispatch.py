@@ -40,7 +40,7 @@ def _triton_serves(t: torch.Tensor) -> tuple[bool, str]:
     if t.dtype not in KERNEL_DTYPES:
         return False, f"the Triton kernels take fp16/bf16/fp32, got {t.dtype}"
     if t.is_cuda:
-        if capability(t.device.index)[0] < 8:
+        if capability(t.get_device())[0] < 8:   # the index without building a torch.device
             return False, "the Triton kernels need compute capability 8.0 or newer"
         return True, ""
     if t.device.type == "cpu" and triton_interpret():
