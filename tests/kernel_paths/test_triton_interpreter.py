@@ -447,11 +447,13 @@ def test_documents_per_forward_program_rule():
     assert launch.docs_per_program(4096, 256, big - 1, False, 2) == 1       # small launch
     assert launch.docs_per_program(1000, 1030, big, False, 2) == 1          # long documents ...
     assert launch.docs_per_program(1000, 1030, 2 * big, False, 2) == n      # ... on a big launch
+    assert launch.docs_per_program(4096, 256, 4 * big, False, 2, 32) == 1   # a 32-row block (rerank)
 
 
 def test_fp8_short_queries_take_128_row_programs_of_several_documents():
     """fp8 with Lq <= 32: 128-row programs of FORWARD_DOCS_PER_PROGRAM documents where the
-    launch is big enough, 256 x 1 elsewhere (as measured on an H100); 16-bit unchanged."""
+    launch is big enough, 256 x 1 elsewhere; blocks under 128 rows (one short query) score one
+    document per program in every dtype (as measured on an H100)."""
     from lik_plugins.kernels.triton import launch
 
     n = launch.FORWARD_DOCS_PER_PROGRAM
@@ -466,4 +468,6 @@ def test_fp8_short_queries_take_128_row_programs_of_several_documents():
     assert blocking(1, 32, 100_000, 300) == (32, 1, 1, 1)          # one query: no taller block to split
     assert blocking(64, 32, 4096, 256, cross=False) == (32, 1, 1, 1)
     assert blocking(64, 32, 4096, 256, elem=2) == (32, 8, 1, n)    # bf16: 256 rows x 4 documents
+    assert blocking(1, 32, 100_000, 300, elem=2) == (32, 1, 1, 1)  # bf16 rerank: a 32-row block, 1 document
+    assert blocking(64, 128, 4096, 256, elem=2) == (128, 2, 1, n)  # bf16 search Lq 128
     assert launch.forward_blocking(64, 32, 4096, 256, cross=True, elem=1, d_pad=128, save_argmax=True)[3] == 1

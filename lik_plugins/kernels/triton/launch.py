@@ -123,11 +123,16 @@ def _multi_doc(nj: int, ld: int, n_programs: int) -> bool:
     return n_programs >= FORWARD_MULTI_DOC_MIN_PROGRAMS * (2 if ld > 256 else 1)
 
 
-def docs_per_program(nj: int, ld: int, n_programs: int, save_argmax: bool, elem: int) -> int:
+def docs_per_program(nj: int, ld: int, n_programs: int, save_argmax: bool, elem: int,
+                     block_rows: int = TARGET_BLOCK_M) -> int:
     """Documents each 16-bit forward program scores (see FORWARD_DOCS_PER_PROGRAM): only where
-    it was measured faster -- inference, big launches, short documents or very many
-    programs -- and only when it divides the document count.  (fp8: :func:`forward_blocking`.)"""
-    if save_argmax or elem != 2 or not _multi_doc(nj, ld, n_programs):
+    it was measured faster -- inference, query blocks of at least TARGET_BLOCK_M rows, big
+    launches, short documents or very many programs -- and only when it divides the document
+    count.  (fp8: :func:`forward_blocking`.)  A smaller query block (one short query: rerank)
+    costs little to reload per document, and one document per program reads HBM faster:
+    rerank 1x100k on an H100 2.437 ms with 4 documents, 2.398-2.405 with 1
+    (results/h100/sweep_rerank_bandwidth.json)."""
+    if save_argmax or elem != 2 or block_rows < TARGET_BLOCK_M or not _multi_doc(nj, ld, n_programs):
         return 1
     return FORWARD_DOCS_PER_PROGRAM
 
@@ -143,7 +148,8 @@ def forward_blocking(nq: int, lq: int, nj: int, ld: int, *, cross: bool, elem: i
         rows_s, qpb_s, chunks_s = row_blocking(lq, nq, cross, TARGET_BLOCK_M)
         if _multi_doc(nj, ld, nj * cdiv(nq, qpb_s) * chunks_s):
             return rows_s, qpb_s, chunks_s, FORWARD_DOCS_PER_PROGRAM
-    return rows, qpb, n_chunks, docs_per_program(nj, ld, nj * cdiv(nq, qpb) * n_chunks, save_argmax, elem)
+    return rows, qpb, n_chunks, docs_per_program(nj, ld, nj * cdiv(nq, qpb) * n_chunks, save_argmax, elem,
+                                                  rows * qpb)
 
 
 def _precision(dtype: torch.dtype) -> str:
