@@ -34,7 +34,7 @@ def compile_ptx(save_arg: bool, docs_per_program: int) -> str:
     params = list(inspect.signature(maxsim_fwd_kernel.fn).parameters)
     const = dict(HAS_QM=False, HAS_DM=False, ZERO_MODE=False, NORMALIZE=False, SAVE_ARG=save_arg, ROWS_PER_Q=32,
                  QPB=8, BLOCK_N=64, BLOCK_K=128, D_PAD=128, UPCAST=False, PRECISION="tf32", RUNNING_MAX=False,
-                 QUANT_Q=False, FP8_LIMIT=448.0, DOCS_PER_PROGRAM=docs_per_program, **SPECIALISED)
+                 QUANT_Q=False, FP8_LIMIT=448.0, DOCS_PER_PROGRAM=docs_per_program, TAIL_N=0, **SPECIALISED)
     const = {n: v for n, v in const.items() if n in params}
     signature = {n: POINTERS.get(n, "constexpr" if n in const else "i32") for n in params}
     compiled = triton.compile(ASTSource(fn=maxsim_fwd_kernel, signature=signature, constexprs=const),

@@ -471,3 +471,65 @@ def test_fp8_short_queries_take_128_row_programs_of_several_documents():
     assert blocking(1, 32, 100_000, 300, elem=2) == (32, 1, 1, 1)  # bf16 rerank: a 32-row block, 1 document
     assert blocking(64, 128, 4096, 256, elem=2) == (128, 2, 1, n)  # bf16 search Lq 128
     assert launch.forward_blocking(64, 32, 4096, 256, cross=True, elem=1, d_pad=128, save_argmax=True)[3] == 1
+
+
+@pytest.fixture(params=["tail-tiles", "masked-tile"])
+def tail_tiles(request, monkeypatch):
+    """Both ways the forward covers a document's last ``Ld % BLOCK_N`` tokens: narrower tail
+    tiles (``launch.TAIL_TILES``) or one whole tile with the rest masked."""
+    from lik_plugins.kernels.triton import launch
+
+    monkeypatch.setattr(launch, "TAIL_TILES", request.param == "tail-tiles")
+    launch.clear_plans()  # a cached forward plan holds the tail width it was made with
+    yield request.param
+    launch.clear_plans()
+
+
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+@pytest.mark.parametrize("mask_mode", MASK_MODES)
+def test_document_tails_at_every_tile_width(gen, block_n, mask_mode, tail_tiles, monkeypatch):
+    """Scores and winners for documents whose length leaves every kind of tail after the
+    whole tiles (none, shorter than one tail tile, one, two at BLOCK_N 128, no whole tile at
+    all), at each BLOCK_N the autotuner may pick; exact ties between the first token and
+    the last (inside the tail) go to the first."""
+    from lik_plugins.kernels.triton import launch
+
+    real = launch.forward_kernel_and_meta
+
+    def with_block_n(**kw):
+        kernel, meta, after = real(**kw)
+        return kernel, {**meta, "BLOCK_N": block_n}, after
+
+    monkeypatch.setattr(launch, "forward_kernel_and_meta", with_block_n)
+    for ld in (5, 20, 64, 70, 100, 130, 200):
+        Q, D, qm, dm = make_inputs(gen, "cross", 2, 3, 5, ld, 16)
+        scores, arg = launch.forward(Q, D, qm, dm, cross=True, normalize=False, zero_mode=mask_mode == "zero",
+                                     save_argmax=True)
+        assert torch.equal(arg.long(), expected_argmax(Q, D, qm, dm, "cross", mask_mode)), ld
+        ref = reference.maxsim(Q.double(), D.double(), qm, dm, mask_mode=mask_mode)
+        assert rel_err(scores, ref) < 2e-5, ld
+        Qt, Dt = tied_inputs(gen, "cross", 2, 2, 3, ld, 16, copies=(0, ld - 1))
+        _, arg = launch.forward(Qt, Dt, None, None, cross=True, normalize=False, zero_mode=False, save_argmax=True)
+        assert (arg[:, 0] == 0).all(), (ld, arg[:, 0])
+        assert torch.equal(arg.long(), expected_argmax(Qt, Dt, None, None, "cross", "exclude")), ld
+    launch.clear_plans()
+
+
+def test_tail_tile_rule():
+    """Tail tiles at least 16 wide (the MMA's minimum), no wider than a power of two above
+    ``Ld % 64``, none where every BLOCK_N divides the length."""
+    from lik_plugins.kernels.triton import launch
+
+    assert launch.tail_tile(1030) == 16     # ColPali pages: 1024 + 6
+    assert launch.tail_tile(300) == 64      # 256 + 44
+    assert launch.tail_tile(180) == 64      # 128 + 52
+    assert launch.tail_tile(200) == 16      # 192 + 8 (BLOCK_N 128: 128 + 72 in five tiles of 16)
+    assert launch.tail_tile(20) == 32       # shorter than any whole tile
+    assert launch.tail_tile(320) == 64      # only BLOCK_N 128 leaves a tail
+    assert launch.tail_tile(256) == 0 and launch.tail_tile(1024) == 0
+    for ld in range(1, 600):
+        width = launch.tail_tile(ld)
+        if ld % 128:
+            assert width >= 16 and width & (width - 1) == 0
+            # one tile of this width covers what BLOCK_N 64 leaves (when it leaves anything)
+            assert ld % 64 <= width

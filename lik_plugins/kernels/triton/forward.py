@@ -44,20 +44,87 @@ def quantize_e4m3_rows(x, FP8_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _tile_similarities(
+    b_q, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
+    HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Similarities of the program's query rows with document tokens ``n0 .. n0 + WIDTH``
+    (``[BLOCK_M, WIDTH]`` fp32, -inf where a token is past the document or masked), their
+    columns, and the zero-mode floor updated for this tile."""
+    o_t = n0 + tl.arange(0, WIDTH)
+    o_k = tl.arange(0, BLOCK_K)
+    m_col = o_t < ld
+    if BLOCK_K == D_PAD:
+        b_d = tl.load(p_d + o_t[None, :] * s_dt + o_k[:, None] * s_dh,
+                      mask=m_col[None, :] & (o_k[:, None] < dim), other=0.0)      # [BK, WIDTH]
+        if UPCAST:
+            b_d = b_d.to(tl.float32)
+        b_s = tl.dot(b_q, b_d, input_precision=PRECISION)                          # [BM, BK] @ [BK, WIDTH]
+    else:
+        b_s = tl.zeros([BLOCK_M, WIDTH], tl.float32)
+        for k0 in range(0, dim, BLOCK_K):
+            o_kk = k0 + o_k
+            b_qk = tl.load(p_q[:, None] + o_kk[None, :] * s_qh,
+                           mask=m_row[:, None] & (o_kk[None, :] < dim), other=0.0)
+            b_dk = tl.load(p_d + o_t[None, :] * s_dt + o_kk[:, None] * s_dh,
+                           mask=m_col[None, :] & (o_kk[:, None] < dim), other=0.0)
+            if UPCAST:
+                b_qk = b_qk.to(tl.float32)
+                b_dk = b_dk.to(tl.float32)
+            b_s = tl.dot(b_qk, b_dk, b_s, input_precision=PRECISION)
+    if NORMALIZE:
+        b_rd = tl.load(p_rd + o_t, mask=m_col, other=0.0)
+        b_s = b_s * b_rd[None, :]
+    if HAS_DM:
+        b_dm = tl.load(p_dm + o_t * s_dmt, mask=m_col, other=0)
+        m_valid = m_col & (b_dm != 0)
+        if ZERO_MODE:
+            n_masked = tl.sum((m_col & (b_dm == 0)).to(tl.int32), axis=0)
+            b_floor = tl.where(n_masked > 0, 0.0, b_floor)
+        b_s = tl.where(m_valid[None, :], b_s, float("-inf"))
+    elif n0 + WIDTH > ld:
+        # only the last tile runs past the document: a full tile skips the select, one
+        # of the 2-3 CUDA-core operations per similarity that bound the fp8 forward
+        b_s = tl.where(m_col[None, :], b_s, float("-inf"))
+    return b_s, o_t, b_floor
+
+
+@triton.jit
+def _merge_tile(b_s, o_t, b_max, b_arg, SAVE_ARG: tl.constexpr):
+    """Fold one tile into each row's running max (NaN-propagating) and winning column."""
+    b_tile = tl.reduce(b_s, 1, _max_nan)                                                # [BM]
+    if SAVE_ARG:
+        # lowest column reaching the tile max; strict '>' keeps the earliest tile on ties
+        b_targ = tl.min(tl.where(b_s == b_tile[:, None], o_t[None, :], 2147483647), axis=1)
+        b_arg = tl.where(b_tile > b_max, b_targ, b_arg)
+    return _max_nan(b_max, b_tile), b_arg
+
+
+@triton.jit
 def _document_row_max(
     b_q, p_q, m_row, p_d, p_dm, p_rd, ld, dim, s_qh, s_dt, s_dh, s_dmt,
     HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, RUNNING_MAX: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, RUNNING_MAX: tl.constexpr, TAIL_N: tl.constexpr,
 ):
     """One document against the program's query rows, tile by tile: each row's max
     similarity (NaN-propagating), its winning column when SAVE_ARG, and the zero-mode floor
-    (0 once a masked document token competes, else -inf)."""
-    o_n = tl.arange(0, BLOCK_N)
-    o_k = tl.arange(0, BLOCK_K)
+    (0 once a masked document token competes, else -inf).
+
+    With ``0 < TAIL_N < BLOCK_N`` the tokens past the last whole ``BLOCK_N`` tile go
+    through narrower ``TAIL_N`` tiles, so a document of 1030 tokens costs 1030 + 10 columns
+    of matrix and epilogue work instead of 1088 (or 1152): a masked column costs as much
+    as a real one."""
     b_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_arg = tl.zeros([BLOCK_M], tl.int32)
     b_floor = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    SPLIT_TAIL: tl.constexpr = (TAIL_N > 0) & (TAIL_N < BLOCK_N)
+    if SPLIT_TAIL:
+        ld_main = ld - ld % BLOCK_N
+    else:
+        ld_main = ld
     if RUNNING_MAX:
         # Keep an elementwise max over the tiles in the accumulator's own layout and reduce
         # across columns (shuffles between threads) once, at the end, instead of per tile.
@@ -65,61 +132,34 @@ def _document_row_max(
         # reached it: strictly greater takes over, so on ties the earliest tile stays, and
         # the final reduction takes the lowest column among the maxima -- the same winner
         # as the per-tile epilogue.  (The launcher turns it on where it measured faster.)
+        o_n = tl.arange(0, BLOCK_N)
         b_run = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
         if SAVE_ARG:
             b_run_n0 = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
-    for n0 in range(0, ld, BLOCK_N):
-        o_t = n0 + o_n
-        m_col = o_t < ld
-        if BLOCK_K == D_PAD:
-            b_d = tl.load(p_d + o_t[None, :] * s_dt + o_k[:, None] * s_dh,
-                          mask=m_col[None, :] & (o_k[:, None] < dim), other=0.0)      # [BK, BN]
-            if UPCAST:
-                b_d = b_d.to(tl.float32)
-            b_s = tl.dot(b_q, b_d, input_precision=PRECISION)                          # [BM, BK] @ [BK, BN]
-        else:
-            b_s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, dim, BLOCK_K):
-                o_kk = k0 + o_k
-                b_qk = tl.load(p_q[:, None] + o_kk[None, :] * s_qh,
-                               mask=m_row[:, None] & (o_kk[None, :] < dim), other=0.0)
-                b_dk = tl.load(p_d + o_t[None, :] * s_dt + o_kk[:, None] * s_dh,
-                               mask=m_col[None, :] & (o_kk[:, None] < dim), other=0.0)
-                if UPCAST:
-                    b_qk = b_qk.to(tl.float32)
-                    b_dk = b_dk.to(tl.float32)
-                b_s = tl.dot(b_qk, b_dk, b_s, input_precision=PRECISION)
-        if NORMALIZE:
-            b_rd = tl.load(p_rd + o_t, mask=m_col, other=0.0)
-            b_s = b_s * b_rd[None, :]
-        if HAS_DM:
-            b_dm = tl.load(p_dm + o_t * s_dmt, mask=m_col, other=0)
-            m_valid = m_col & (b_dm != 0)
-            if ZERO_MODE:
-                n_masked = tl.sum((m_col & (b_dm == 0)).to(tl.int32), axis=0)
-                b_floor = tl.where(n_masked > 0, 0.0, b_floor)
-            b_s = tl.where(m_valid[None, :], b_s, float("-inf"))
-        elif n0 + BLOCK_N > ld:
-            # only the last tile runs past the document: a full tile skips the select, one
-            # of the 2-3 CUDA-core operations per similarity that bound the fp8 forward
-            b_s = tl.where(m_col[None, :], b_s, float("-inf"))
+    for n0 in range(0, ld_main, BLOCK_N):
+        b_s, o_t, b_floor = _tile_similarities(
+            b_q, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
+            HAS_DM, ZERO_MODE, NORMALIZE, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION)
         if RUNNING_MAX:
             if SAVE_ARG:
                 b_run_n0 = tl.where(b_s > b_run, n0, b_run_n0)
             b_run = _max_nan(b_run, b_s)
         else:
-            b_tile = tl.reduce(b_s, 1, _max_nan)                                        # [BM]
-            if SAVE_ARG:
-                # lowest column reaching the tile max; strict '>' keeps the earliest tile on ties
-                b_targ = tl.min(tl.where(b_s == b_tile[:, None], o_t[None, :], 2147483647), axis=1)
-                b_arg = tl.where(b_tile > b_max, b_targ, b_arg)
-            b_max = _max_nan(b_max, b_tile)
+            b_max, b_arg = _merge_tile(b_s, o_t, b_max, b_arg, SAVE_ARG)
     if RUNNING_MAX:
         b_max = tl.reduce(b_run, 1, _max_nan)
         if SAVE_ARG:
             # a NaN row matches no column: it keeps no winner (-1 below), so its gradient is 0
             b_arg = tl.min(tl.where(b_run == b_max[:, None], b_run_n0 + o_n[None, :], 2147483647), axis=1)
             b_arg = tl.where(b_arg == 2147483647, -1, b_arg)
+    if SPLIT_TAIL:
+        # the tail's columns come after every main tile's, so merging them last keeps the
+        # lowest winning column on ties, as one pass over the whole document would
+        for n0 in range(ld_main, ld, TAIL_N):
+            b_s, o_t, b_floor = _tile_similarities(
+                b_q, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
+                HAS_DM, ZERO_MODE, NORMALIZE, BLOCK_M, TAIL_N, BLOCK_K, D_PAD, UPCAST, PRECISION)
+            b_max, b_arg = _merge_tile(b_s, o_t, b_max, b_arg, SAVE_ARG)
     return b_max, b_arg, b_floor
 
 
@@ -168,6 +208,9 @@ def maxsim_fwd_kernel(
     # launch instead of two) and uses their scales where RQ's would go.  Needs BLOCK_K == D_PAD.
     QUANT_Q: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0,
     DOCS_PER_PROGRAM: tl.constexpr = 1,
+    # TAIL_N: width of the tiles that cover a document's last ``Ld % BLOCK_N`` tokens (0:
+    # the last BLOCK_N tile, masked).  Chosen by the host from Ld (``launch.tail_tile``).
+    TAIL_N: tl.constexpr = 0,
 ):
     BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
     pid = tl.program_id(0)
@@ -212,6 +255,7 @@ def maxsim_fwd_kernel(
             RD + q_first * s_rdi + i_j.to(tl.int64) * s_rdj,
             ld, dim, s_qh, s_dt, s_dh, s_dmt,
             HAS_DM, ZERO_MODE, NORMALIZE, SAVE_ARG, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION, RUNNING_MAX,
+            TAIL_N,
         )
         if NORMALIZE:
             if QUANT_Q:

@@ -115,6 +115,12 @@ FORWARD_MULTI_DOC_MIN_PROGRAMS = 8192   # programs at one document each; twice t
 # 3.24-3.29).  0 turns the rule off (the sweep does, to time 256 x 1).
 FP8_SHORT_QUERY_MAX_LQ = 32
 
+# A document's last Ld % BLOCK_N tokens go through narrower tiles (``tail_tile``) instead of a
+# whole BLOCK_N tile with the rest masked: masked columns cost the MMA and the epilogue as
+# much as real ones, and ColPali's 1030-token pages padded 1030 -> 1088 columns at
+# BLOCK_N 64 (1152 at 128).  False: the masked whole tile (the A/B in sweep_tail.py).
+TAIL_TILES = True
+
 
 def _multi_doc(nj: int, ld: int, n_programs: int) -> bool:
     """A launch big enough for several documents per program (see FORWARD_DOCS_PER_PROGRAM)."""
@@ -136,6 +142,18 @@ def docs_per_program(nj: int, ld: int, n_programs: int, save_argmax: bool, elem:
         return 1
     return FORWARD_DOCS_PER_PROGRAM
 
+
+
+def tail_tile(ld: int) -> int:
+    """Width of the forward's tail tiles for documents of ``ld`` tokens, 0 for none.  The
+    autotuner picks BLOCK_N (32, 64 or 128) after this is fixed, so the width suits all of
+    them: the next power of two >= 16 above ``ld % 64`` (one tile covers the tail at
+    BLOCK_N <= 64 and one or two at 128), or 64 when only BLOCK_N 128 leaves a tail.  The
+    kernel splits only where the tail tile is narrower than BLOCK_N."""
+    if not TAIL_TILES or ld % 128 == 0:
+        return 0
+    rem = ld % 64
+    return 64 if rem == 0 else max(16, next_pow2(rem))
 
 def forward_blocking(nq: int, lq: int, nj: int, ld: int, *, cross: bool, elem: int, d_pad: int,
                      save_argmax: bool) -> tuple[int, int, int, int]:
@@ -275,7 +293,7 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
         NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(D.dtype),
-        RUNNING_MAX=running_max, QUANT_Q=quant_q, DOCS_PER_PROGRAM=dpp,
+        RUNNING_MAX=running_max, QUANT_Q=quant_q, DOCS_PER_PROGRAM=dpp, TAIL_N=tail_tile(ld),
         **meta,
     )
     grid = (n_programs,)
