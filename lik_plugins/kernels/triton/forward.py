@@ -44,23 +44,38 @@ def quantize_e4m3_rows(x, FP8_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """Document tokens ``n0 .. n0 + WIDTH`` as the MMA's ``[BLOCK_K, WIDTH]`` operand (zeros
+    past the document) when the whole embedding is one K tile; otherwise a placeholder (the
+    K loop of :func:`_tile_similarities` loads its own slices)."""
+    if BLOCK_K == D_PAD:
+        o_t = n0 + tl.arange(0, WIDTH)
+        o_k = tl.arange(0, BLOCK_K)
+        b_d = tl.load(p_d + o_t[None, :] * s_dt + o_k[:, None] * s_dh,
+                      mask=(o_t < ld)[None, :] & (o_k[:, None] < dim), other=0.0)         # [BK, WIDTH]
+        if UPCAST:
+            b_d = b_d.to(tl.float32)
+    else:
+        b_d = 0
+    return b_d
+
+
+@triton.jit
 def _tile_similarities(
-    b_q, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
+    b_q, b_d, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
     HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Similarities of the program's query rows with document tokens ``n0 .. n0 + WIDTH``
     (``[BLOCK_M, WIDTH]`` fp32, -inf where a token is past the document or masked), their
-    columns, and the zero-mode floor updated for this tile."""
+    columns, and the zero-mode floor updated for this tile.  ``b_d``: the tile from
+    :func:`_doc_tile`."""
     o_t = n0 + tl.arange(0, WIDTH)
     o_k = tl.arange(0, BLOCK_K)
     m_col = o_t < ld
     if BLOCK_K == D_PAD:
-        b_d = tl.load(p_d + o_t[None, :] * s_dt + o_k[:, None] * s_dh,
-                      mask=m_col[None, :] & (o_k[:, None] < dim), other=0.0)      # [BK, WIDTH]
-        if UPCAST:
-            b_d = b_d.to(tl.float32)
         b_s = tl.dot(b_q, b_d, input_precision=PRECISION)                          # [BM, BK] @ [BK, WIDTH]
     else:
         b_s = tl.zeros([BLOCK_M, WIDTH], tl.float32)
@@ -136,9 +151,15 @@ def _document_row_max(
         b_run = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
         if SAVE_ARG:
             b_run_n0 = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+    if SPLIT_TAIL:
+        # The tail tile's tokens are loaded now and used after the main loop: outside the
+        # loop's software pipeline its load would be waited for in full (on an H100 a tail
+        # tile loaded in place cost nearly a whole tile; NOTES v18).
+        b_d_tail = _doc_tile(p_d, ld_main, ld, dim, s_dt, s_dh, TAIL_N, BLOCK_K, D_PAD, UPCAST)
     for n0 in range(0, ld_main, BLOCK_N):
+        b_d = _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, BLOCK_N, BLOCK_K, D_PAD, UPCAST)
         b_s, o_t, b_floor = _tile_similarities(
-            b_q, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
+            b_q, b_d, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
             HAS_DM, ZERO_MODE, NORMALIZE, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION)
         if RUNNING_MAX:
             if SAVE_ARG:
@@ -155,9 +176,12 @@ def _document_row_max(
     if SPLIT_TAIL:
         # the tail's columns come after every main tile's, so merging them last keeps the
         # lowest winning column on ties, as one pass over the whole document would
+        # (BLOCK_N 128 can leave a second tail tile: Ld % 128 > 64 with TAIL_N 64 or less)
         for n0 in range(ld_main, ld, TAIL_N):
+            if n0 > ld_main:
+                b_d_tail = _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, TAIL_N, BLOCK_K, D_PAD, UPCAST)
             b_s, o_t, b_floor = _tile_similarities(
-                b_q, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
+                b_q, b_d_tail, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
                 HAS_DM, ZERO_MODE, NORMALIZE, BLOCK_M, TAIL_N, BLOCK_K, D_PAD, UPCAST, PRECISION)
             b_max, b_arg = _merge_tile(b_s, o_t, b_max, b_arg, SAVE_ARG)
     return b_max, b_arg, b_floor
