@@ -365,3 +365,35 @@ def test_compact_and_dense_lowmem_agree(monkeypatch, shape):
         grads.append(torch.autograd.grad(out, (Q, D), torch.ones_like(out)))
     assert torch.equal(grads[0][0], grads[1][0])          # grad_Q: the same gather
     assert _rel(grads[0][1], grads[1][1]) < 1e-2
+
+
+# ------------------------------------------------------------------ document tails
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tail_tiles_equal_the_masked_tile_bit_for_bit(monkeypatch, block_n, dtype):
+    """Narrower tail tiles (``launch.TAIL_TILES``) give the same scores and winners, bit for
+    bit, as a whole masked tile, at every BLOCK_N the autotuner may pick, on the tails that
+    ColPali pages (1030), ColBERT documents (180, 300) and a second tail tile at BLOCK_N 128
+    (200) leave; and both match fp64."""
+    real = launch.forward_kernel_and_meta
+
+    def with_block_n(**kw):
+        kernel, meta, after = real(**kw)
+        return kernel, {**meta, "BLOCK_N": block_n}, after
+
+    monkeypatch.setattr(launch, "forward_kernel_and_meta", with_block_n)
+    for ld in (1030, 300, 200, 180):
+        Q, D, qm, dm = _inputs(16, 24, 32, ld, 128, dtype, kd=False)
+        got = {}
+        for tails in (True, False):
+            monkeypatch.setattr(launch, "TAIL_TILES", tails)
+            launch.clear_plans()
+            got[tails] = launch.forward(Q, D, qm, dm, cross=True, normalize=False, zero_mode=False, save_argmax=True)
+        launch.clear_plans()
+        assert torch.equal(got[True][0], got[False][0]), ld
+        assert torch.equal(got[True][1], got[False][1]), ld
+        ref, arg = chunked.forward(Q.double(), D.double(), qm, dm, cross=True, normalize=False, zero_mode=False,
+                                   save_argmax=True)
+        assert _rel(got[True][0], ref) < TOL[dtype][0], ld
+        # winners may differ from fp64 only where two similarities are within rounding
+        assert (got[True][1].long() == arg.long()).float().mean() > 0.99, ld
