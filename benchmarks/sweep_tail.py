@@ -9,7 +9,12 @@ Scores (and winners, where saved) of the two Ld-1030 variants must be identical.
 config each variant's autotuner settled on is recorded, since the tail changes which
 BLOCK_N wins.
 
-Usage: python benchmarks/sweep_tail.py OUT_JSON
+With ``--ab``: memory-bound reranks (one query, Ld 300) with and without tail tiles,
+interleaved over rounds, on one tuned config (the autotuner's key leaves the tail out, so
+both variants launch the same BLOCK_N and pipeline): the spread of the rounds says what
+difference is noise.
+
+Usage: python benchmarks/sweep_tail.py OUT_JSON [--ab]
 """
 from __future__ import annotations
 
@@ -82,5 +87,34 @@ def main(out):
     launch.clear_plans()
 
 
+AB_SHAPES = [("rerank 1x100k Lq32 Ld300", 1, 100_000, 32, 300), ("rerank 1x1000 Lq32 Ld300", 1, 1000, 32, 300),
+             ("hard-neg-like 256x16 Lq32 Ld1030 (no grad)", 1, 4096, 32, 1030)]
+
+
+def ab(out, rounds=3):
+    rows = []
+    for name, nq, nj, lq, ld in AB_SHAPES:
+        Q, D = _inputs("cross", nq, nj, lq, ld)
+        tuning._chosen.clear()
+        fwd = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False,  # noqa: E731
+                                     zero_mode=False, save_argmax=False)
+        for r in range(rounds):
+            for tails in (True, False):
+                launch.TAIL_TILES = tails
+                launch.clear_plans()
+                fwd()
+                ms = do_bench(fwd, rep=300)
+                config = [v for k, v in tuning._chosen.items()]
+                rows.append({"shape": name, "round": r, "tail_tiles": tails, "tail_n": launch.tail_tile(ld), "ms": ms,
+                             "configs": config})
+                print(f"{name:44s} round {r} tails {tails!s:5s}: {ms:8.4f} ms {config}", flush=True)
+        del Q, D
+        torch.cuda.empty_cache()
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    launch.TAIL_TILES = True
+    launch.clear_plans()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    ab(sys.argv[1]) if "--ab" in sys.argv[2:] else main(sys.argv[1])
