@@ -88,7 +88,7 @@ def main(out):
 
 
 AB_SHAPES = [("rerank 1x100k Lq32 Ld300", 1, 100_000, 32, 300), ("rerank 1x1000 Lq32 Ld300", 1, 1000, 32, 300),
-             ("hard-neg-like 256x16 Lq32 Ld1030 (no grad)", 1, 4096, 32, 1030)]
+             ("rerank 1x4096 Lq32 Ld1030 (pages)", 1, 4096, 32, 1030)]
 
 
 def ab(out, rounds=3):
