@@ -480,6 +480,7 @@ def tail_tiles(request, monkeypatch):
     from lik_plugins.kernels.triton import launch
 
     monkeypatch.setattr(launch, "TAIL_TILES", request.param == "tail-tiles")
+    monkeypatch.setattr(launch, "TAIL_MIN_BLOCK_ROWS", 0)  # the tiny shapes' 16-row programs too
     launch.clear_plans()  # a cached forward plan holds the tail width it was made with
     yield request.param
     launch.clear_plans()
@@ -527,6 +528,8 @@ def test_tail_tile_rule():
     assert launch.tail_tile(20) == 32       # shorter than any whole tile
     assert launch.tail_tile(320) == 64      # only BLOCK_N 128 leaves a tail
     assert launch.tail_tile(256) == 0 and launch.tail_tile(1024) == 0
+    assert launch.tail_tile(1030, 32) == 0  # one short query per program: memory-bound, masked tile
+    assert launch.tail_tile(1030, 128) == 16 and launch.tail_tile(1030, 256) == 16
     for ld in range(1, 600):
         width = launch.tail_tile(ld)
         if ld % 128:

@@ -209,7 +209,7 @@ def _store_document(
         tl.store(p_arg, b_win.to(ARG.dtype.element_ty), mask=m_row)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks"])
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks", "size_class"])
 def maxsim_fwd_kernel(
     Q, D, QM, DM, RQ, RD, OUT, ARG,
     n_q, n_j, lq, ld, dim,
@@ -219,6 +219,9 @@ def maxsim_fwd_kernel(
     s_dmi, s_dmj, s_dmt,
     s_rdi, s_rdj,
     n_qblocks, n_chunks,
+    # size_class: not read by the kernel; the autotuner's key holds it, so a launch of a
+    # different size class (``tuning.size_class``) is tuned for itself (launch.py)
+    size_class,
     HAS_QM: tl.constexpr, HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr,
     # NORMALIZE: scale similarities by per-token factors RQ [n_q, lq] and RD (per document
     # token): inverse norms, or the fp8 path's dequantisation scales.  Both are > 0, so

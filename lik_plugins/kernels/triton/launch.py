@@ -16,7 +16,7 @@ from .backward import (
     maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
 )
 from .direct import launch
-from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2
+from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2, size_class
 
 # Lq above this is split into row chunks of this many tokens (exact: partial sums).
 MAX_ROWS_PER_Q = 128
@@ -118,8 +118,13 @@ FP8_SHORT_QUERY_MAX_LQ = 32
 # A document's last Ld % BLOCK_N tokens go through narrower tiles (``tail_tile``) instead of a
 # whole BLOCK_N tile with the rest masked: masked columns cost the MMA and the epilogue as
 # much as real ones, and ColPali's 1030-token pages padded 1030 -> 1088 columns at
-# BLOCK_N 64 (1152 at 128).  False: the masked whole tile (the A/B in sweep_tail.py).
+# BLOCK_N 64 (1152 at 128).  On an H100 (NOTES v18, results/h100/sweep_tail*.json) 2-8 %
+# faster on the compute-bound forwards of Ld 1030 (query blocks of 128+ rows); where a
+# program holds one short query (32 rows: rerank, per-query candidates) the forward reads
+# the same bytes either way and a rerank of 4096 pages measured 1.6 % slower, so those
+# keep the masked tile (TAIL_MIN_BLOCK_ROWS).  False: always the masked tile.
 TAIL_TILES = True
+TAIL_MIN_BLOCK_ROWS = 128
 
 
 def _multi_doc(nj: int, ld: int, n_programs: int) -> bool:
@@ -144,13 +149,14 @@ def docs_per_program(nj: int, ld: int, n_programs: int, save_argmax: bool, elem:
 
 
 
-def tail_tile(ld: int) -> int:
-    """Width of the forward's tail tiles for documents of ``ld`` tokens, 0 for none.  The
+def tail_tile(ld: int, block_rows: int = TAIL_MIN_BLOCK_ROWS) -> int:
+    """Width of the forward's tail tiles for documents of ``ld`` tokens scored by programs
+    of ``block_rows`` query rows, 0 for none (see TAIL_TILES).  The
     autotuner picks BLOCK_N (32, 64 or 128) after this is fixed, so the width suits all of
     them: the next power of two >= 16 above ``ld % 64`` (one tile covers the tail at
     BLOCK_N <= 64 and one or two at 128), or 64 when only BLOCK_N 128 leaves a tail.  The
     kernel splits only where the tail tile is narrower than BLOCK_N."""
-    if not TAIL_TILES or ld % 128 == 0:
+    if not TAIL_TILES or block_rows < TAIL_MIN_BLOCK_ROWS or ld % 128 == 0:
         return 0
     rem = ld % 64
     return 64 if rem == 0 else max(16, next_pow2(rem))
@@ -286,14 +292,14 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
         s_qmi, s_qms,
         s_dmi, s_dmj, s_dmt,
         s_rdi, s_rdj,
-        n_qblocks, n_chunks,
+        n_qblocks, n_chunks, size_class(n_programs),
     )
     meta = dict(
         HAS_QM=has_qm, HAS_DM=has_dm, ZERO_MODE=bool(zero_mode),
         NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(D.dtype),
-        RUNNING_MAX=running_max, QUANT_Q=quant_q, DOCS_PER_PROGRAM=dpp, TAIL_N=tail_tile(ld),
+        RUNNING_MAX=running_max, QUANT_Q=quant_q, DOCS_PER_PROGRAM=dpp, TAIL_N=tail_tile(ld, rows * qpb),
         **meta,
     )
     grid = (n_programs,)

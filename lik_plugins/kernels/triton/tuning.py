@@ -2,9 +2,10 @@
 
 The host picks the row blocking (``ROWS_PER_Q``, ``QPB``) from the shape; the autotuner
 only chooses the document tile and the pipeline (``BLOCK_N``, ``BLOCK_K``, warps,
-stages).  The key is ``(ROWS_PER_Q, QPB, D_PAD, SAVE_ARG, RUNNING_MAX, DOCS_PER_PROGRAM)`` plus the tensor dtypes, so
-batch size, document length, mask presence and query length *within a power-of-two
-bucket* never trigger a new sweep.  (Mask presence does compile a second variant of the
+stages).  The key is ``(ROWS_PER_Q, QPB, D_PAD, SAVE_ARG, RUNNING_MAX, DOCS_PER_PROGRAM)``, the
+launch's size class (:func:`size_class`) and the tensor dtypes, so batch size, document
+length, mask presence and query length *within a power-of-two bucket* and a size class
+never trigger a new sweep.  (Mask presence does compile a second variant of the
 kernel once, since it is a constexpr; it reuses the tuned config.)
 
 No sweep happens for small launches (few programs: launch-bound, and the unit-test / REPL
@@ -41,6 +42,15 @@ def interpreting() -> bool:
     defined (``TRITON_INTERPRET=1`` at import), so this asks a kernel, not the environment
     (which a caller may change later, and which costs microseconds per read)."""
     return _INTERPRETED
+
+
+def size_class(n_programs: int) -> int:
+    """Launch size class of the forward's autotuning: programs in factors of 8 from 2^12
+    (0 below 4096, then 4096-32767, 32768-262143, ...).  A rerank of 1000 documents and
+    one of 100k share every other key field, but the first is bound by latency and the
+    second by HBM: tuned on the first, the second ran 2.45 ms on the H100 instead of
+    2.40 (NOTES v18).  Training batches of one size stay in one class."""
+    return 0 if n_programs < 4096 else ((n_programs.bit_length() - 1) - 12) // 3 + 1
 
 
 def k_tile(d_pad: int) -> int:
@@ -87,7 +97,7 @@ def _autotune_kwargs() -> dict:
 
 _tuned_forward = triton.autotune(
     configs=_configs(),
-    key=["ROWS_PER_Q", "QPB", "D_PAD", "SAVE_ARG", "RUNNING_MAX", "DOCS_PER_PROGRAM"],
+    key=["ROWS_PER_Q", "QPB", "D_PAD", "SAVE_ARG", "RUNNING_MAX", "DOCS_PER_PROGRAM", "size_class"],
     prune_configs_by={"early_config_prune": _prune},
     **_autotune_kwargs(),
 )(maxsim_fwd_kernel)
@@ -110,7 +120,8 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
             # a 256-row block on 4 warps would hold 128 fp32 accumulators per thread
             meta.update(num_warps=8 if rows_per_q * qpb >= 256 else 4, num_stages=2)
         return maxsim_fwd_kernel, meta, None
-    key = (rows_per_q, qpb, d_pad, bool(save_arg), bool(running_max), docs_per_program, dtype)
+    key = (rows_per_q, qpb, d_pad, bool(save_arg), bool(running_max), docs_per_program, size_class(n_programs),
+           dtype)
     config = _chosen.get(key)
     if config is not None:
         return maxsim_fwd_kernel, {"BLOCK_K": block_k, **config}, None
