@@ -536,3 +536,16 @@ def test_tail_tile_rule():
             assert width >= 16 and width & (width - 1) == 0
             # one tile of this width covers what BLOCK_N 64 leaves (when it leaves anything)
             assert ld % 64 <= width
+
+
+def test_autotuning_size_classes():
+    """The forward's autotuner keys on a launch size class: a rerank of 1000 documents
+    (latency-bound) and one of 100k (HBM-bound) are tuned apart; one training batch size
+    stays in one class; classes grow by factors of 8 in programs."""
+    from lik_plugins.kernels.triton import tuning
+
+    assert tuning.size_class(1000) != tuning.size_class(100_000)
+    assert tuning.size_class(8192) == tuning.size_class(8192 + 4096)
+    classes = [tuning.size_class(1 << p) for p in range(8, 24)]
+    assert classes == sorted(classes) and classes[0] == 0
+    assert all(classes.count(c) <= 3 for c in set(classes[1:]))
