@@ -104,7 +104,7 @@ def ab(out, rounds=3):
                 launch.clear_plans()
                 fwd()
                 ms = do_bench(fwd, rep=300)
-                config = [v for k, v in tuning._chosen.items()]
+                config = list(tuning._chosen.values())
                 rows.append({"shape": name, "round": r, "tail_tiles": tails, "tail_n": launch.tail_tile(ld), "ms": ms,
                              "configs": config})
                 print(f"{name:44s} round {r} tails {tails!s:5s}: {ms:8.4f} ms {config}", flush=True)

@@ -8,7 +8,7 @@ import torch
 import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
 from lik_plugins.kernels.triton import launch
-from maxsim_testlib import LaunchSpy
+from maxsim_testlib import LaunchSpy, force_forward_block_n
 
 pytestmark = [
     pytest.mark.gpu,
@@ -376,13 +376,7 @@ def test_tail_tiles_equal_the_masked_tile_bit_for_bit(monkeypatch, block_n, dtyp
     bit, as a whole masked tile, at every BLOCK_N the autotuner may pick, on the tails that
     ColPali pages (1030), ColBERT documents (180, 300) and a second tail tile at BLOCK_N 128
     (200) leave; and both match fp64."""
-    real = launch.forward_kernel_and_meta
-
-    def with_block_n(**kw):
-        kernel, meta, after = real(**kw)
-        return kernel, {**meta, "BLOCK_N": block_n}, after
-
-    monkeypatch.setattr(launch, "forward_kernel_and_meta", with_block_n)
+    force_forward_block_n(monkeypatch, block_n)
     for ld in (1030, 300, 200, 180):
         Q, D, qm, dm = _inputs(16, 24, 32, ld, 128, dtype, kd=False)
         got = {}

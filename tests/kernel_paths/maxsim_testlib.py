@@ -42,6 +42,20 @@ class LaunchSpy:
         return getattr(self.kernel, name)
 
 
+def force_forward_block_n(monkeypatch, block_n: int) -> None:
+    """Make every forward launch use document tiles of ``block_n`` tokens (the autotuner's
+    or the fixed small-launch choice otherwise), keeping the rest of its meta-parameters."""
+    from lik_plugins.kernels.triton import launch
+
+    real = launch.forward_kernel_and_meta
+
+    def with_block_n(**kw):
+        kernel, meta, after = real(**kw)
+        return kernel, {**meta, "BLOCK_N": block_n}, after
+
+    monkeypatch.setattr(launch, "forward_kernel_and_meta", with_block_n)
+
+
 def seed_of(nodeid: str) -> int:
     """A per-test seed: fresh inputs for every test, reproducible across runs."""
     return zlib.crc32(nodeid.encode())

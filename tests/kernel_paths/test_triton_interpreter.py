@@ -19,8 +19,8 @@ import lik_plugins as lik
 from lik_plugins._config import triton_interpret
 from lik_plugins.kernels import dispatch, reference
 from maxsim_testlib import (
-    LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
-    noncontiguous_inputs, tied_inputs,
+    LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, force_forward_block_n, generator, make_inputs, op,
+    rel_err, noncontiguous_inputs, tied_inputs,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -495,13 +495,7 @@ def test_document_tails_at_every_tile_width(gen, block_n, mask_mode, tail_tiles,
     the last (inside the tail) go to the first."""
     from lik_plugins.kernels.triton import launch
 
-    real = launch.forward_kernel_and_meta
-
-    def with_block_n(**kw):
-        kernel, meta, after = real(**kw)
-        return kernel, {**meta, "BLOCK_N": block_n}, after
-
-    monkeypatch.setattr(launch, "forward_kernel_and_meta", with_block_n)
+    force_forward_block_n(monkeypatch, block_n)
     for ld in (5, 20, 64, 70, 100, 130, 200):
         Q, D, qm, dm = make_inputs(gen, "cross", 2, 3, 5, ld, 16)
         scores, arg = launch.forward(Q, D, qm, dm, cross=True, normalize=False, zero_mode=mask_mode == "zero",

@@ -148,7 +148,6 @@ def docs_per_program(nj: int, ld: int, n_programs: int, save_argmax: bool, elem:
     return FORWARD_DOCS_PER_PROGRAM
 
 
-
 def tail_tile(ld: int, block_rows: int = TAIL_MIN_BLOCK_ROWS) -> int:
     """Width of the forward's tail tiles for documents of ``ld`` tokens scored by programs
     of ``block_rows`` query rows, 0 for none (see TAIL_TILES).  The
@@ -160,6 +159,7 @@ def tail_tile(ld: int, block_rows: int = TAIL_MIN_BLOCK_ROWS) -> int:
         return 0
     rem = ld % 64
     return 64 if rem == 0 else max(16, next_pow2(rem))
+
 
 def forward_blocking(nq: int, lq: int, nj: int, ld: int, *, cross: bool, elem: int, d_pad: int,
                      save_argmax: bool) -> tuple[int, int, int, int]:
