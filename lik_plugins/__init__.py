@@ -23,7 +23,7 @@ _LAZY = {
     "maxsim_pairs": ("lik_plugins.ops", "maxsim_pairs"),
     "retrieve": ("lik_plugins.ops", "retrieve"),
     "MaxSimScorer": ("lik_plugins.modules", "MaxSimScorer"),
-    "smooth_maxsim": ("lik_plugins.kernels.smoothmax", "smooth_maxsim"),
+    "smooth_maxsim": ("lik_plugins.ops", "smooth_maxsim"),
     "quantize_fp8": ("lik_plugins.fp8", "quantize_fp8"),
     "maxsim_fp8": ("lik_plugins.fp8", "maxsim_fp8"),
     "Fp8Tokens": ("lik_plugins.fp8", "Fp8Tokens"),

@@ -14,6 +14,11 @@ between two calls in the same process.
                             (default 2**24, i.e. 64 MB of fp32 scratch).
 ``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
                             the compiled launcher (see ``kernels/triton/direct.py``).
+``LIK_AUTOTUNE``            ``auto`` (default): forward and backward configs come from the
+                            committed per-architecture table (``kernels/triton/configs/``);
+                            an architecture without a table is swept once and the result
+                            persisted in Triton's cache.  ``1``: always sweep (persisted);
+                            ``0``: never sweep (table, else one default config).
 ``PYLATE_SCORES_BACKEND``   PyLate's own selector, honoured by the patch on every release:
                             ``lik`` (ours), ``torch`` (PyLate's path), ``auto`` (ours where
                             it applies); ``lik``/``auto`` also activate the patch at start-up.
@@ -28,28 +33,11 @@ import os
 _TRUE = {"1", "true", "yes", "on"}
 BACKENDS = ("auto", "triton", "torch-chunked", "reference")
 
-# ``os.environ.get`` encodes the key and decodes the value on every call: ~2 us on the CPU
-# machine, and a launch-bound training step reads four or five variables (routing, the
-# kill switch, the direct launch per kernel) -- a tenth of our host time per step
-# (benchmarks/NOTES.md, v17).  CPython's mapping keeps the encoded process environment in
-# ``os.environ._data``, which every ``os.environ[...] = ...`` / ``del`` / ``update`` writes
-# through, so looking the encoded key up there is the same read, still made at call time.
-# Where that layout is absent, the public mapping is used.
-_RAW = getattr(os.environ, "_data", None)
-_ENCODE_KEY = getattr(os.environ, "encodekey", None)
-_DECODE_VALUE = getattr(os.environ, "decodevalue", None)
-_FAST = isinstance(_RAW, dict) and callable(_ENCODE_KEY) and callable(_DECODE_VALUE)
-_KEYS: dict = {}
-
 
 def _getenv(name: str, default: str) -> str:
-    if not _FAST:
-        return os.environ.get(name, default)
-    key = _KEYS.get(name)
-    if key is None:
-        key = _KEYS[name] = _ENCODE_KEY(name)
-    raw = _RAW.get(key)
-    return default if raw is None else _DECODE_VALUE(raw)
+    # The public mapping, read at every call (about a microsecond): a user may flip a
+    # variable between two calls, and tests do.
+    return os.environ.get(name, default)
 
 
 def _flag(name: str) -> bool:
@@ -70,6 +58,17 @@ def forced_backend() -> str:
     if value not in BACKENDS:
         raise ValueError(f"LIK_BACKEND={value!r} is not one of {', '.join(BACKENDS)}")
     return value
+
+
+def autotune_mode() -> str:
+    value = _getenv("LIK_AUTOTUNE", "auto").strip().lower() or "auto"
+    if value in _TRUE:
+        return "always"
+    if value in ("0", "false", "no", "off"):
+        return "never"
+    if value != "auto":
+        raise ValueError(f"LIK_AUTOTUNE={value!r} is not one of auto, 1, 0")
+    return "auto"
 
 
 def triton_interpret() -> bool:

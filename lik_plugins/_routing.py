@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+import torch
+
 PATHS = ("triton", "metal", "torch-chunked", "reference", "original")
 
 _lock = threading.Lock()
@@ -15,7 +17,14 @@ _counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
 
 def record(entry: str, path: str) -> None:
-    """Count one call of ``entry`` served by ``path`` (one of :data:`PATHS`)."""
+    """Count one call of ``entry`` served by ``path`` (one of :data:`PATHS`).
+
+    While ``torch.compile`` traces a function nothing is counted here: the registered ops
+    count their calls when they run (``lik_plugins.library``), so a compiled function's
+    op entries (``maxsim``, ``maxsim_pairs``, ...) are counted on every call, and the host
+    adapters' entries only in eager code."""
+    if torch.compiler.is_compiling():
+        return
     if path not in PATHS:
         raise ValueError(f"unknown routing path {path!r}; expected one of {PATHS}")
     with _lock:

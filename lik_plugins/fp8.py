@@ -20,12 +20,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import _routing
+from . import _routing, library
 from ._config import disabled, forced_backend, triton_interpret
+from ._validate import FLOAT_DTYPES, check_geometry, check_options
 from .kernels import reference
-from .kernels.dispatch import capability, triton_available
+from .kernels.dispatch import served_by
 from .kernels.reference import FP8_DTYPE
-from .ops import _FLOAT_DTYPES, _check_geometry, _check_options
 
 __all__ = ["Fp8Tokens", "quantize_fp8", "maxsim_fp8"]
 
@@ -62,20 +62,27 @@ class Fp8Tokens(NamedTuple):
 def _check_source(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64 tokens, got {x.dtype}")
     if x.dim() < 2 or x.shape[-1] == 0:
         raise ValueError(f"{name} must be tokens [..., L, d] with d >= 1, got shape {tuple(x.shape)}")
 
 
-def _quantize(x: torch.Tensor) -> Fp8Tokens:
-    """No checks: a NaN/inf token quantises to NaN values, so its scores are NaN."""
-    if served_by_fp8(x) == "triton":
+def quantize_tokens(x: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)`` of ``x`` on ``path``, unchecked: a NaN/inf token quantises to NaN
+    values, so its scores are NaN.  One fused kernel on the Triton path, torch elsewhere; the
+    same bits either way."""
+    if path == "triton":
         from .kernels.triton import quantize
 
-        return Fp8Tokens(*quantize.quantize_fp8(x))
+        return quantize.quantize_fp8(x)
     values, scales = reference.quantize_fp8(x)
-    return Fp8Tokens(values.contiguous(), scales.contiguous())
+    return values.contiguous(), scales.contiguous()
+
+
+def _quantize(x: torch.Tensor) -> Fp8Tokens:
+    path = served_by(x, "fp8")
+    return Fp8Tokens(*quantize_tokens(x, "triton" if path == "triton" else "torch-chunked"))
 
 
 def quantize_fp8(x: torch.Tensor, *, normalize: bool = False) -> Fp8Tokens:
@@ -139,7 +146,7 @@ def _as_tokens(name: str, x, rank: tuple[int, ...], quantize: bool = True):
 FUSED_QUANTISATION_ELEMENTS = 1 << 24
 
 
-def _fuse_query_quantisation(Q, d_values: torch.Tensor) -> bool:
+def fuse_query_quantisation(Q, d_values: torch.Tensor) -> bool:
     """Quantise a float query inside the scoring kernel (kernels/triton/forward.py
     ``QUANT_Q``: one launch instead of two, the same quantised values) -- on a GPU, for
     embeddings up to 256 wide, where the repeated quantisation is small (above).  The
@@ -149,23 +156,6 @@ def _fuse_query_quantisation(Q, d_values: torch.Tensor) -> bool:
         return False
     docs_per_query = d_values.shape[-3] if d_values.dim() >= 3 else 1
     return docs_per_query * Q.numel() <= FUSED_QUANTISATION_ELEMENTS
-
-
-def served_by_fp8(values: torch.Tensor) -> str:
-    """Path that scores fp8 tokens on ``values``' device now (see the module docstring)."""
-    if disabled():
-        return "reference"
-    forced = forced_backend()
-    if forced in ("torch-chunked", "reference"):
-        return forced
-    kernel_ok = triton_available() and (
-        (values.is_cuda and capability(values.device.index) >= (8, 9))   # fp8 matrix units: Ada, Hopper
-        or (values.device.type == "cpu" and triton_interpret())
-    )
-    if forced == "triton" and not kernel_ok:
-        raise RuntimeError("LIK_BACKEND=triton, but fp8 products need a GPU of compute capability 8.9+ "
-                           "(or TRITON_INTERPRET=1 on CPU)")
-    return "triton" if kernel_ok else "torch-chunked"
 
 
 def maxsim_fp8(
@@ -188,30 +178,16 @@ def maxsim_fp8(
     Returns:
         float32 scores of the dequantised tokens (``reference.maxsim_fp8``).
     """
-    _check_options("auto", mask_mode)
+    check_options("auto", mask_mode)
     d = _as_tokens("D", D, (3, 4))
-    path = served_by_fp8(d.values)
-    fused = path == "triton" and _fuse_query_quantisation(Q, d.values)
-    q = _as_tokens("Q", Q, (3,), quantize=not fused)
-    # fused: the float query goes to the kernel as it is, with no scales of its own
-    q_values, q_scales = (q, None) if fused else q
-    q_mask, d_mask, cross = _check_geometry(q_values, d.values, q_mask, d_mask)
-
-    _routing.record("maxsim_fp8", path)
+    # a float query is quantised inside the op (in the scoring kernel where that pays)
+    q = _as_tokens("Q", Q, (3,), quantize=False)
+    q_values, q_scales = (q, None) if isinstance(q, torch.Tensor) else q
+    q_mask, d_mask, _ = check_geometry(q_values, d.values, q_mask, d_mask)
     with torch.no_grad():
-        if path == "reference":
+        if disabled() or forced_backend() == "reference":
+            _routing.record("maxsim_fp8", "reference")
+            q = q if q_scales is not None else Fp8Tokens(*reference.quantize_fp8(q_values))
             return reference.maxsim_fp8(q, d, q_mask, d_mask, mask_mode=mask_mode)
-        if path == "triton":
-            from .kernels.triton import launch
-
-            scores, _ = launch.forward(q_values, d.values, q_mask, d_mask, cross=cross, normalize=False,
-                                       zero_mode=mask_mode == "zero", save_argmax=False,
-                                       scales=(q_scales, d.scales))
-            return scores
-        # No fp8 matrix units here: the same numbers from the dequantised tokens, with the
-        # bounded-memory path (it materialises fp32 tokens, 4x the fp8 bytes).
-        from .kernels import chunked
-
-        scores, _ = chunked.forward(q.dequantize(), d.dequantize(), q_mask, d_mask, cross=cross, normalize=False,
-                                    zero_mode=mask_mode == "zero", save_argmax=False)
-        return scores
+        return library.maxsim_fp8(q_values, q_scales, d.values, d.scales, q_mask, d_mask, mask_mode == "zero",
+                                  "maxsim_fp8")

@@ -1,113 +1,41 @@
-"""Public ops: validation with clear errors, the contract in the docstrings, routing.
+"""Public ops: validation with clear errors, the contract in the docstrings.
 
-Data path: public op (here) -> :class:`~lik_plugins.autograd.MaxSimFunction` -> device
-dispatch -> kernels.  Host adapters (``lik_plugins.pylate``, ``lik_plugins.colpali``) call
-these functions, never the kernels.
+Data path: public op (here) -> registered op layer (:mod:`lik_plugins.library`: custom ops,
+autograd, device dispatch at run time) -> kernels.  Host adapters (``lik_plugins.pylate``,
+``lik_plugins.colpali``) call these functions, never the kernels.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from . import _routing
-from .autograd import BACKWARD_STRATEGIES, MaxSimFunction
+from . import _routing, library
+from ._config import disabled, forced_backend
+from ._validate import check_mask, check_options, check_tensor, prepare
 from .kernels import reference
-from .kernels.dispatch import implementation, served_by
-from .kernels.reference import MASK_MODES
+from .kernels.dispatch import served_by
 
-__all__ = ["maxsim", "maxsim_pairs", "retrieve", "served_by"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+__all__ = ["maxsim", "maxsim_pairs", "smooth_maxsim", "retrieve", "served_by"]
 
 
-def _check_options(backward: str, mask_mode: str) -> None:
-    if backward not in BACKWARD_STRATEGIES:
-        raise ValueError(f"backward must be one of {', '.join(map(repr, BACKWARD_STRATEGIES))}; got {backward!r}")
-    if mask_mode not in MASK_MODES:
-        raise ValueError(f"mask_mode must be one of {', '.join(map(repr, MASK_MODES))}; got {mask_mode!r}")
+def _reference_requested() -> bool:
+    """``LIK_DISABLE=1`` or ``LIK_BACKEND=reference``: the plain formulation, by torch's own
+    autograd.  (Under ``torch.compile`` this is read when the function is compiled.)"""
+    return disabled() or forced_backend() == "reference"
 
 
-def _check_tensor(name: str, x, rank: int | tuple[int, ...]) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    ranks = (rank,) if isinstance(rank, int) else rank
-    if x.dim() not in ranks:
-        want = " or ".join(f"{r}-D" for r in ranks)
-        raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
-
-
-def _check_mask(name: str, mask, shape: tuple[int, ...], owner) -> torch.Tensor | None:
-    """``owner``: the tokens the mask belongs to (its ``.device`` is read only when there is a mask)."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
-    if tuple(mask.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(mask.shape)}")
-    if mask.device != owner.device:
-        raise ValueError(f"{name} is on {mask.device} but the embeddings are on {owner.device}")
-    if mask.is_complex():
-        raise TypeError(f"{name} must be bool or a real 0/1 tensor, got {mask.dtype}")
-    # Non-zero = valid.  bool stays as is (the kernels read its bytes without a copy).
-    return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _prepare(Q, D, q_mask, d_mask, *, pairs: bool):
-    """Validate; return (Q, D, q_mask, d_mask, cross).  Pairs keep ``D`` 3-D: the
-    one-candidate view is taken inside the autograd Function (see :func:`_run`)."""
-    _check_tensor("Q", Q, 3)
-    if pairs:
-        _check_tensor("D", D, 3)
-    else:
-        _check_tensor("D", D, (3, 4))
-    if Q.dtype != D.dtype:
-        raise TypeError(f"Q and D must have the same dtype, got {Q.dtype} and {D.dtype}")
-    if pairs and D.shape[0] != Q.shape[0]:
-        raise ValueError(f"maxsim_pairs needs one document per query: Q has B={Q.shape[0]}, D has B={D.shape[0]}")
-    # pairs' D [B, Ld, d] and its mask [B, Ld] have the cross product's shapes
-    q_mask, d_mask, cross = _check_geometry(Q, D, q_mask, d_mask)
-    return Q, D, q_mask, d_mask, cross and not pairs
-
-
-def _check_geometry(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask):
-    """Device, embedding dim, per-query candidate count and masks of ``Q [Nq, Lq, d]``
-    against ``D [Nd, Ld, d]`` or ``[Nq, K, Ld, d]`` (token tensors of any dtype: the fp8
-    path checks its values with it too).  Returns ``(q_mask, d_mask, cross)``."""
-    # is_cuda and the device index are plain attributes; a torch.device is built only off CUDA
-    if Q.is_cuda != D.is_cuda or Q.get_device() != D.get_device() or (not Q.is_cuda and Q.device != D.device):
-        raise ValueError(f"Q is on {Q.device} but D is on {D.device}; move both to one device")
-    if Q.shape[-1] != D.shape[-1]:
-        raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, D has d={D.shape[-1]}")
-    nq, lq = Q.shape[0], Q.shape[1]
-    if D.dim() == 4 and D.shape[0] != nq:
-        raise ValueError(
-            f"per-query candidates D [Nq, K, Ld, d] must have Nq={nq} like Q, got D shape {tuple(D.shape)}"
-        )
-    q_mask = _check_mask("q_mask", q_mask, (nq, lq), Q)
-    d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:-1]), D)
-    return q_mask, d_mask, D.dim() == 3
-
-
-def _run(entry, Q, D, q_mask, d_mask, cross, *, normalize, backward, mask_mode, pairs=False):
-    path = served_by(Q)
-    if entry is not None:
-        _routing.record(entry, path)
-    if path == "reference" or not (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)):
-        if pairs:
-            D = D.unsqueeze(1)
-            d_mask = None if d_mask is None else d_mask.unsqueeze(1)
-        if path == "reference":
-            # The plain formulation (kill switch, or LIK_BACKEND=reference), in the inputs' dtype.
-            out = reference.maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
-            out = out if out.dtype == torch.float64 else out.float()
+def _score(entry, Q, D, q_mask, d_mask, layout, *, normalize, backward, mask_mode):
+    if _reference_requested():
+        if entry:
+            _routing.record(entry, "reference")
+        if layout == library.PAIRS:
+            out = reference.maxsim_pairs(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
         else:
-            # Nothing to differentiate: skip the autograd machinery (it costs ~20 us a call).
-            out, _ = implementation(path).forward(Q, D, q_mask, d_mask, cross=cross, normalize=bool(normalize),
-                                                  zero_mode=mask_mode == "zero", save_argmax=False)
-        return out.squeeze(1) if pairs else out
-    return MaxSimFunction.apply(Q, D, q_mask, d_mask,
-                                (cross, bool(normalize), mask_mode == "zero", backward, path, pairs))
+            out = reference.maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
+        return out if out.dtype == torch.float64 else out.float()
+    return library.maxsim(Q, D, q_mask, d_mask, layout=layout, normalize=bool(normalize),
+                          zero_mode=mask_mode == "zero", strategy=backward, entry=entry)
 
 
 def maxsim(
@@ -138,7 +66,7 @@ def maxsim(
             ``"auto"`` picks ``"lowmem"`` for candidates and pairs, and for the cross
             product ``"unified"`` except for small batches and short documents, where
             ``"lowmem"`` measured faster or much leaner (see
-            :func:`lik_plugins.autograd.choose_backward`).
+            :func:`lik_plugins.library.choose_backward`).
         mask_mode: ``"exclude"`` — a masked document token cannot win; a query token with
             no valid document token contributes 0.  ``"zero"`` — PyLate's multiplicative
             mask: a masked document token's similarity is 0 and competes for the max.
@@ -156,9 +84,10 @@ def maxsim(
         >>> maxsim(Q, D).shape
         torch.Size([4, 8])
     """
-    _check_options(backward, mask_mode)
-    Q, D, q_mask, d_mask, cross = _prepare(Q, D, q_mask, d_mask, pairs=False)
-    return _run("maxsim", Q, D, q_mask, d_mask, cross, normalize=normalize, backward=backward, mask_mode=mask_mode)
+    check_options(backward, mask_mode)
+    Q, D, q_mask, d_mask, cross = prepare(Q, D, q_mask, d_mask, pairs=False)
+    return _score("maxsim", Q, D, q_mask, d_mask, library.CROSS if cross else library.CANDIDATES,
+                  normalize=normalize, backward=backward, mask_mode=mask_mode)
 
 
 def maxsim_pairs(
@@ -175,10 +104,10 @@ def maxsim_pairs(
 
     Masks ``[B, Lq]`` / ``[B, Ld]``; every other argument as in :func:`maxsim`.
     """
-    _check_options(backward, mask_mode)
-    Q, D, q_mask, d_mask, _ = _prepare(Q, D, q_mask, d_mask, pairs=True)
-    return _run("maxsim_pairs", Q, D, q_mask, d_mask, False, normalize=normalize, backward=backward,
-                mask_mode=mask_mode, pairs=True)
+    check_options(backward, mask_mode)
+    Q, D, q_mask, d_mask, _ = prepare(Q, D, q_mask, d_mask, pairs=True)
+    return _score("maxsim_pairs", Q, D, q_mask, d_mask, library.PAIRS, normalize=normalize, backward=backward,
+                  mask_mode=mask_mode)
 
 
 def retrieve(
@@ -208,16 +137,16 @@ def retrieve(
     if isinstance(D, Fp8Tokens):
         return _retrieve_fp8(Q, D, top_k, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode, chunk=chunk,
                              largest=largest)
-    _check_tensor("D", D, 3)
+    check_tensor("D", D, 3)
     _check_retrieve_args(top_k, chunk)
-    _check_options("auto", mask_mode)
-    Q, D, q_mask, d_mask, _ = _prepare(Q, D, q_mask, d_mask, pairs=False)
+    check_options("auto", mask_mode)
+    Q, D, q_mask, d_mask, _ = prepare(Q, D, q_mask, d_mask, pairs=False)
     _routing.record("retrieve", served_by(Q))
     score_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
 
     def score(start, stop, dm):
-        return _run(None, Q, D[start:stop], q_mask, dm, True, normalize=normalize, backward="auto",
-                    mask_mode=mask_mode)
+        return _score("", Q, D[start:stop], q_mask, dm, library.CROSS, normalize=normalize, backward="auto",
+                      mask_mode=mask_mode)
 
     return _running_top_k(score, Q.shape[0], D.shape[0], d_mask, top_k, chunk, largest, score_dtype, Q.device)
 
@@ -250,7 +179,7 @@ def _running_top_k(score, nq, nd, d_mask, top_k, chunk, largest, score_dtype, de
 
 
 def _retrieve_fp8(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, largest):
-    from .fp8 import _as_tokens, maxsim_fp8, served_by_fp8
+    from .fp8 import _as_tokens, maxsim_fp8
 
     _check_retrieve_args(top_k, chunk)
     if normalize:
@@ -259,11 +188,71 @@ def _retrieve_fp8(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, l
     if D.values.dim() != 3:
         raise ValueError(f"retrieve needs an fp8 index [Nd, Ld, d], got shape {tuple(D.values.shape)}")
     q = _as_tokens("Q", Q, (3,))  # quantised once for every chunk
-    d_mask = _check_mask("d_mask", d_mask, tuple(D.values.shape[:-1]), D)
-    _routing.record("retrieve", served_by_fp8(q.values))
+    d_mask = check_mask("d_mask", d_mask, tuple(D.values.shape[:-1]), D)
+    _routing.record("retrieve", served_by(q.values, "fp8"))
 
     def score(start, stop, dm):
         return maxsim_fp8(q, D.select(slice(start, stop)), q_mask, dm, mask_mode=mask_mode)
 
     return _running_top_k(score, q.values.shape[0], D.values.shape[0], d_mask, top_k, chunk, largest,
                           torch.float32, q.device)
+
+
+def smooth_maxsim(Q: torch.Tensor, D: torch.Tensor, *, tau: float, layout: str = "auto") -> torch.Tensor:
+    """Smooth MaxSim ``sum_s tau * logsumexp_t(<Q[s], D[t]> / tau)`` without materialising
+    the similarities (colpali-engine's ``use_smooth_max=True``).
+
+    Args:
+        Q: ``[Nq, Lq, d]`` query tokens (fp16 / bf16 / fp32 / fp64), zero rows allowed.
+        D: ``[Nd, Ld, d]`` (``cross``, ``pairs``) or ``[Nq, K, Ld, d]`` (``candidates``).
+            No masks: zero-padded tokens score 0 and take part in the log-sum-exp (a zero
+            query row adds ``tau * log(Ld)``), as in colpali-engine.
+        tau: the temperature (> 0, finite); ``tau -> 0`` tends to the hard max.
+        layout: ``"auto"`` (4-D ``D`` -> ``candidates``, else ``cross``), ``"cross"``,
+            ``"candidates"`` or ``"pairs"``.
+
+    Returns:
+        float32 scores (float64 for float64 inputs): ``[Nq, Nd]``, ``[Nq, K]`` or ``[B]``.
+        Gradients flow to whichever of ``Q``, ``D`` require them.
+
+    Example::
+
+        >>> Q, D = torch.randn(4, 8, 16), torch.randn(5, 12, 16)
+        >>> smooth_maxsim(Q, D, tau=0.1).shape
+        torch.Size([4, 5])
+    """
+    layout_id = _smooth_layout(Q, D, layout)
+    tau = float(tau)
+    if not tau > 0 or math.isinf(tau):
+        raise ValueError(f"tau must be a positive finite number, got {tau}")
+    if Q.device != D.device:
+        raise ValueError(f"Q and D are on different devices ({Q.device} vs {D.device})")
+    if not (Q.is_floating_point() and D.is_floating_point()):
+        raise TypeError("smooth_maxsim: Q and D must be floating point")
+    out_dtype = torch.float64 if torch.float64 in (Q.dtype, D.dtype) else torch.float32
+    if _reference_requested():
+        _routing.record("smooth_maxsim", "reference")
+        return reference.smooth_maxsim(Q.to(out_dtype), D.to(out_dtype), tau=tau, layout=_SMOOTH_LAYOUTS[layout_id])
+    if Q.dtype != D.dtype:
+        common = torch.promote_types(Q.dtype, D.dtype)
+        Q, D = Q.to(common), D.to(common)
+    return library.smooth_maxsim(Q, D, tau=tau, layout=layout_id, entry="smooth_maxsim")
+
+
+_SMOOTH_LAYOUTS = {library.CROSS: "cross", library.CANDIDATES: "candidates", library.PAIRS: "pairs"}
+
+
+def _smooth_layout(Q: torch.Tensor, D: torch.Tensor, layout: str) -> int:
+    if layout == "auto":
+        layout = "candidates" if isinstance(D, torch.Tensor) and D.dim() == 4 else "cross"
+    ids = {name: i for i, name in _SMOOTH_LAYOUTS.items()}
+    if layout not in ids:
+        raise ValueError(f"layout must be one of {tuple(ids)} or 'auto', got {layout!r}")
+    want = 4 if layout == "candidates" else 3
+    if Q.dim() != 3 or D.dim() != want:
+        raise ValueError(f"smooth_maxsim[{layout}]: expected Q 3-D and D {want}-D, got {tuple(Q.shape)} and {tuple(D.shape)}")
+    if Q.shape[-1] != D.shape[-1]:
+        raise ValueError(f"smooth_maxsim: embedding dims differ ({Q.shape[-1]} vs {D.shape[-1]})")
+    if layout != "cross" and D.shape[0] != Q.shape[0]:
+        raise ValueError(f"smooth_maxsim[{layout}]: D must have one entry per query ({D.shape[0]} vs {Q.shape[0]})")
+    return ids[layout]

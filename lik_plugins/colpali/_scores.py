@@ -52,17 +52,11 @@ def _ops():
     return ops
 
 
-def _smooth():
-    from ..kernels import smoothmax
-
-    return smoothmax
-
-
 def inbatch(Q: torch.Tensor, D: torch.Tensor, smooth: bool = False, tau: float = 0.1):
     """``[B, Lq, d] x [C, Ld, d] -> [B, C]`` in ``Q.dtype``; returns ``(scores, path)``."""
     if smooth:
-        sm = _smooth()
-        return sm.smooth_maxsim(Q, D, tau=tau, layout="cross").to(Q.dtype), sm.served_by(Q)
+        ops = _ops()
+        return ops.smooth_maxsim(Q, D, tau=tau, layout="cross").to(Q.dtype), ops.served_by(Q, "smooth")
     ops = _ops()
     return ops.maxsim(Q, D).to(Q.dtype), ops.served_by(Q)
 
@@ -70,8 +64,8 @@ def inbatch(Q: torch.Tensor, D: torch.Tensor, smooth: bool = False, tau: float =
 def pairs(Q: torch.Tensor, D: torch.Tensor, smooth: bool = False, tau: float = 0.1):
     """``[B, Lq, d] x [B, Ld, d] -> [B]`` in ``Q.dtype``; returns ``(scores, path)``."""
     if smooth:
-        sm = _smooth()
-        return sm.smooth_maxsim(Q, D, tau=tau, layout="pairs").to(Q.dtype), sm.served_by(Q)
+        ops = _ops()
+        return ops.smooth_maxsim(Q, D, tau=tau, layout="pairs").to(Q.dtype), ops.served_by(Q, "smooth")
     ops = _ops()
     return ops.maxsim_pairs(Q, D).to(Q.dtype), ops.served_by(Q)
 
@@ -79,8 +73,8 @@ def pairs(Q: torch.Tensor, D: torch.Tensor, smooth: bool = False, tau: float = 0
 def candidates(Q: torch.Tensor, N: torch.Tensor, smooth: bool = False, tau: float = 0.1):
     """``[B, Lq, d] x [B, K, Ld, d] -> [B, K]`` in ``Q.dtype`` (one launch); returns ``(scores, path)``."""
     if smooth:
-        sm = _smooth()
-        return sm.smooth_maxsim(Q, N, tau=tau, layout="candidates").to(Q.dtype), sm.served_by(Q)
+        ops = _ops()
+        return ops.smooth_maxsim(Q, N, tau=tau, layout="candidates").to(Q.dtype), ops.served_by(Q, "smooth")
     ops = _ops()
     return ops.maxsim(Q, N).to(Q.dtype), ops.served_by(Q)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._config import chunk_elements
-from .common import inverse_norms, project_out_norm
+from .common import argmax_dtype, inverse_norms, project_out_norm
 
 _NO_WINNER = -1
 
@@ -53,7 +53,8 @@ def _reduce_rows(sim, q_valid, d_valid, zero_mode):
 
 
 def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
-    """Scores ``[Nq, NJ]`` (fp32, or fp64 for fp64 inputs) and, if asked, the argmax."""
+    """Scores ``[Nq, NJ]`` (fp32, or fp64 for fp64 inputs) and, if asked, the argmax
+    (``[Nq, NJ, Lq]`` of :func:`~lik_plugins.kernels.common.argmax_dtype`, -1: no winner)."""
     nq, lq, _ = Q.shape
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
     cdt = _compute_dtype(Q.dtype)
@@ -61,7 +62,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     rd = inverse_norms(D) if normalize else None
     out_dtype = torch.float64 if cdt == torch.float64 else torch.float32
     scores = torch.empty((nq, nj), dtype=out_dtype, device=Q.device)
-    argmax = torch.empty((nq, nj, lq), dtype=torch.int64, device=Q.device) if save_argmax else None
+    argmax = torch.empty((nq, nj, lq), dtype=argmax_dtype(ld), device=Q.device) if save_argmax else None
 
     if cross:
         cd = _rows_per_chunk(lq * ld, nj)
@@ -140,3 +141,68 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="
             gd = project_out_norm(gd, D.to(cdt), rd.to(cdt))
         grad_d = gd.to(D.dtype)
     return grad_q, grad_d
+
+
+# --------------------------------------------------------------------------- smooth max
+# ``score = sum_s tau * logsumexp_t(S / tau)`` (reference.smooth_maxsim).  The forward keeps
+# only the per-row log-sum-exp ``lse[q, j, s]`` (``[Nq, NJ, Lq]``); the backward recomputes
+# each chunk's similarities and softmax weights ``exp(S / tau - lse)`` from it.
+
+def _chunks(n_outer: int, per_outer: int):
+    step = _rows_per_chunk(per_outer, n_outer)
+    return [slice(i, i + step) for i in range(0, n_outer, step)]
+
+
+def smooth_forward(Q, D, tau: float, cross: bool):
+    """``(scores [Nq, NJ], lse [Nq, NJ, Lq])`` in fp32 (fp64 for fp64 inputs); ``lse`` is
+    the log-sum-exp of ``S / tau`` per query row."""
+    cdt = _compute_dtype(Q.dtype)
+    nq, lq, _ = Q.shape
+    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
+    lse = torch.empty((nq, nj, lq), dtype=cdt, device=Q.device)
+    inv_tau = 1.0 / tau
+    if cross:
+        for ds in _chunks(nj, lq * ld):
+            dc = D[ds].to(cdt)
+            for qs in _chunks(nq, (ds.stop - ds.start) * lq * ld):
+                sim = torch.einsum("ash,bth->abst", Q[qs].to(cdt), dc)
+                lse[qs, ds] = torch.logsumexp(sim.mul_(inv_tau), dim=-1)
+    else:
+        for qs in _chunks(nq, nj * lq * ld):
+            sim = torch.einsum("ash,akth->akst", Q[qs].to(cdt), D[qs].to(cdt))
+            lse[qs] = torch.logsumexp(sim.mul_(inv_tau), dim=-1)
+    scores = lse.sum(dim=-1) * tau
+    return scores, lse
+
+
+def smooth_backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need_d: bool):
+    """Gradients from recomputed softmax weights ``P = exp(S / tau - lse)``:
+    ``dQ[q, s] = sum_j g[q, j] sum_t P D[j, t]``, ``dD[j, t] = sum_q g[q, j] sum_s P Q[q, s]``."""
+    cdt = lse.dtype
+    nq, lq, _ = Q.shape
+    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
+    gq = torch.zeros(Q.shape, dtype=cdt, device=Q.device) if need_q else None
+    gd = torch.zeros(D.shape, dtype=cdt, device=D.device) if need_d else None
+    grad = grad.to(cdt)
+    inv_tau = 1.0 / tau
+    if cross:
+        for ds in _chunks(nj, lq * ld):
+            dc = D[ds].to(cdt)
+            for qs in _chunks(nq, (ds.stop - ds.start) * lq * ld):
+                qc = Q[qs].to(cdt)
+                sim = torch.einsum("ash,bth->abst", qc, dc).mul_(inv_tau)
+                w = sim.sub_(lse[qs, ds].unsqueeze(-1)).exp_().mul_(grad[qs, ds, None, None])
+                if need_q:
+                    gq[qs] += torch.einsum("abst,bth->ash", w, dc)
+                if need_d:
+                    gd[ds] += torch.einsum("abst,ash->bth", w, qc)
+    else:
+        for qs in _chunks(nq, nj * lq * ld):
+            qc, dc = Q[qs].to(cdt), D[qs].to(cdt)
+            sim = torch.einsum("ash,akth->akst", qc, dc).mul_(inv_tau)
+            w = sim.sub_(lse[qs].unsqueeze(-1)).exp_().mul_(grad[qs, :, None, None])
+            if need_q:
+                gq[qs] = torch.einsum("akst,akth->ash", w, dc)
+            if need_d:
+                gd[qs] = torch.einsum("akst,ash->akth", w, qc)
+    return gq, gd

@@ -26,3 +26,14 @@ def project_out_norm(g_hat: torch.Tensor, x: torch.Tensor, inv_norm: torch.Tenso
     x_hat = x * inv_norm.unsqueeze(-1)
     radial = (g_hat * x_hat).sum(-1, keepdim=True)
     return (g_hat - radial * x_hat) * inv_norm.unsqueeze(-1)
+
+
+# The fused smooth-max kernel keeps a [rows, d] query tile and its gradient on chip: wider
+# embeddings are served by the chunked path (unless LIK_BACKEND=triton asks for the kernel).
+SMOOTH_FUSED_MAX_DIM = 256
+
+
+def argmax_dtype(ld: int) -> torch.dtype:
+    """Dtype of the saved winners for documents of ``ld`` tokens, the same on every path
+    (the registered op's fake kernel promises it): 16 bits where they suffice."""
+    return torch.int16 if ld < 2**15 else torch.int32

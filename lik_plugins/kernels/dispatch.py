@@ -1,18 +1,36 @@
-"""Device dispatch: which implementation serves a call, with the reason when one cannot.
+"""The one device dispatcher: which implementation serves a call, with the reason when one
+cannot.
 
-``served_by`` is a pure function of the tensor's device/dtype and the environment, so
-host adapters can record routing without running anything.
+Every registered op (``lik_plugins.library``) asks :func:`served_by` for a path name and
+:func:`implementation` for that path's launchers, at run time inside the op.  Paths:
+
+* ``"triton"``: CUDA tensors on compute capability 8.0+ (fp8 scoring: 8.9+), or CPU tensors
+  under ``TRITON_INTERPRET=1`` when ``LIK_BACKEND=triton`` asks for the kernels (this is how
+  CI runs them);
+* ``"torch-chunked"``: the bounded-memory PyTorch path, everywhere else;
+* ``"reference"``: ``LIK_DISABLE=1`` or ``LIK_BACKEND=reference`` -- the public ops run the
+  plain formulation (:mod:`lik_plugins.kernels.reference`) themselves.
+
+Per-op rules: ``op="smooth"`` sends embeddings wider than ``SMOOTH_FUSED_MAX_DIM`` to the
+chunked path under ``auto``; ``op="fp8"`` needs fp8 matrix units (capability 8.9+).
+
+``served_by`` is a pure function of the tensor's device/dtype and the environment, so host
+adapters can record routing without running anything.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 from .._config import disabled, forced_backend, triton_interpret
+from .common import SMOOTH_FUSED_MAX_DIM
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OPS = ("maxsim", "smooth", "fp8")
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,51 +52,90 @@ def capability(index: int | None) -> tuple[int, int]:
     return _capability(index if index is not None else torch.cuda.current_device())
 
 
-def _triton_serves(t: torch.Tensor) -> tuple[bool, str]:
+def _triton_serves(t: torch.Tensor, op: str) -> tuple[bool, str]:
     if not triton_available():
         return False, "triton is not installed"
-    if t.dtype not in KERNEL_DTYPES:
+    if op != "fp8" and t.dtype not in KERNEL_DTYPES:
         return False, f"the Triton kernels take fp16/bf16/fp32, got {t.dtype}"
     if t.is_cuda:
-        if capability(t.get_device())[0] < 8:   # the index without building a torch.device
-            return False, "the Triton kernels need compute capability 8.0 or newer"
+        need = (8, 9) if op == "fp8" else (8, 0)
+        if capability(t.get_device()) < need:   # the index without building a torch.device
+            what = "fp8 products need" if op == "fp8" else "the Triton kernels need"
+            return False, f"{what} compute capability {need[0]}.{need[1]} or newer"
         return True, ""
     if t.device.type == "cpu" and triton_interpret():
         return True, ""
     return False, f"no Triton kernel for {t.device.type} tensors (set TRITON_INTERPRET=1 to interpret on CPU)"
 
 
-def served_by(t: torch.Tensor) -> str:
-    """Path name (as in :func:`lik_plugins.routing_counts`) that serves a call on ``t`` now."""
+def served_by(t: torch.Tensor, op: str = "maxsim") -> str:
+    """Path name (as in :func:`lik_plugins.routing_counts`) that serves ``op`` on tensors
+    like ``t`` now (``op``: ``"maxsim"`` -- also pairs --, ``"smooth"`` or ``"fp8"``)."""
     if disabled():
         return "reference"
     forced = forced_backend()
     if forced == "triton":
-        ok, why = _triton_serves(t)
+        ok, why = _triton_serves(t, op)
         if not ok:
             raise RuntimeError(f"LIK_BACKEND=triton, but {why}")
         return "triton"
     if forced in ("torch-chunked", "reference"):
         return forced
-    if t.is_cuda and _triton_serves(t)[0]:
+    if op == "fp8":
+        # the interpreter runs fp8 products too (CI covers the kernel without LIK_BACKEND)
+        ok = _triton_serves(t, op)[0] and (t.is_cuda or triton_interpret())
+        return "triton" if ok else "torch-chunked"
+    if t.is_cuda and _triton_serves(t, op)[0]:
+        if op == "smooth" and t.shape[-1] > SMOOTH_FUSED_MAX_DIM:
+            return "torch-chunked"
         return "triton"
     return "torch-chunked"
 
 
-_LAUNCHERS: dict = {}
+class Implementation(NamedTuple):
+    """The launcher modules of one path, with the same signatures on every path (see
+    chunked.py): ``maxsim.forward`` / ``maxsim.backward`` and ``smooth.smooth_forward`` /
+    ``smooth.smooth_backward``.  Modules, not functions: attributes are looked up per
+    call, so a test can wrap one."""
+    maxsim: ModuleType
+    smooth: ModuleType
 
 
-def implementation(path: str):
-    """The launcher module (``forward``/``backward``) for a path name (imported on first
-    use: importing Triton is slow, and the chunked path must work without it)."""
-    module = _LAUNCHERS.get(path)
-    if module is not None:
-        return module
+_IMPLEMENTATIONS: dict = {}
+
+
+def implementation(path: str) -> Implementation:
+    """The launchers for a path name, imported on first use (importing Triton is slow, and
+    the chunked path must work without it)."""
+    impl = _IMPLEMENTATIONS.get(path)
+    if impl is not None:
+        return impl
     if path == "triton":
-        from .triton import launch as module
+        from .triton import launch, smoothmax
+
+        impl = Implementation(launch, smoothmax)
     elif path == "torch-chunked":
-        from . import chunked as module
+        from . import chunked
+
+        impl = Implementation(chunked, chunked)
     else:
         raise ValueError(f"no launcher for path {path!r}")
-    _LAUNCHERS[path] = module
-    return module
+    _IMPLEMENTATIONS[path] = impl
+    return impl
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Where no GPU is present (the interpreter in CI) the decisions that depend on the number
+# of SMs are made for an H100's 132, the GPU they were measured on.
+DEFAULT_SM_COUNT = 132
+
+
+def sm_count(device: torch.device | None) -> int:
+    """Streaming multiprocessors of a CUDA ``device``, from the device itself."""
+    if device is None or device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lik_plugins  # noqa: E402
-from lik_plugins.kernels.smoothmax import smooth_maxsim, smooth_maxsim_reference  # noqa: E402
+from lik_plugins import smooth_maxsim  # noqa: E402
+from lik_plugins.kernels.reference import smooth_maxsim as smooth_maxsim_reference  # noqa: E402
 from tests.colpali.helpers import embed, padded  # noqa: E402
 
 HEADS = [

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lik_plugins.kernels.smoothmax import smooth_maxsim, smooth_maxsim_reference
+from lik_plugins import smooth_maxsim
+from lik_plugins.kernels.reference import smooth_maxsim as smooth_maxsim_reference
 
 from .helpers import env
 
@@ -92,17 +93,21 @@ def test_wide_embeddings_go_to_the_chunked_path(monkeypatch):
     path serves it (and gives the reference result); only an explicit
     ``LIK_BACKEND=triton`` asks for the kernel."""
     from lik_plugins.kernels import dispatch
-    from lik_plugins.kernels import smoothmax as sm
 
     monkeypatch.delenv("LIK_BACKEND", raising=False)
-    monkeypatch.setattr(dispatch, "served_by", lambda t: "triton")
-    assert sm.served_by(torch.empty(2, 3, 128)) == "triton"
-    assert sm.served_by(torch.empty(2, 3, 300)) == "torch-chunked"
+    # a CUDA-like tensor the Triton kernels serve: only the embedding width decides
+    monkeypatch.setattr(dispatch, "_triton_serves", lambda t, op: (True, ""))
+    cuda_like = type("CudaLike", (), {"is_cuda": True, "shape": None})
+    for width, path in ((128, "triton"), (300, "torch-chunked")):
+        t = cuda_like()
+        t.shape = (2, 3, width)
+        assert dispatch.served_by(t, "smooth") == path
+        assert dispatch.served_by(t, "maxsim") == "triton"
     monkeypatch.setenv("LIK_BACKEND", "triton")
-    assert sm.served_by(torch.empty(2, 3, 300)) == "triton"
+    assert dispatch.served_by(t, "smooth") == "triton"
     monkeypatch.undo()
     g = torch.Generator().manual_seed(3)
     Q, D = torch.randn(2, 3, 300, generator=g), torch.randn(4, 5, 300, generator=g)
-    got = sm.smooth_maxsim(Q, D, tau=0.1)
-    want = sm.smooth_maxsim_reference(Q.double(), D.double(), tau=0.1)
+    got = smooth_maxsim(Q, D, tau=0.1)
+    want = smooth_maxsim_reference(Q.double(), D.double(), tau=0.1)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -27,11 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-from ..smoothmax import FUSED_MAX_DIM as MAX_DIM
+from ..common import SMOOTH_FUSED_MAX_DIM as MAX_DIM
+from ..dispatch import sm_count
 from .direct import launch
 from .tuning import cdiv, interpreting, next_pow2
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -207,7 +209,7 @@ def _meta(Q: torch.Tensor, g: dict) -> dict:
     return meta
 
 
-def forward(Q: torch.Tensor, D: torch.Tensor, tau: float, cross: bool):
+def smooth_forward(Q: torch.Tensor, D: torch.Tensor, tau: float, cross: bool):
     """``(scores [Nq, NJ] fp32, lse [Nq, NJ, Lq] fp32)``; launcher of the chunked path's signature."""
     g = _geometry(Q, D, cross)
     out = torch.empty((g["nq"], g["n_j"]), dtype=torch.float32, device=Q.device)
@@ -224,7 +226,7 @@ def forward(Q: torch.Tensor, D: torch.Tensor, tau: float, cross: bool):
     return out, lse
 
 
-def backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need_d: bool):
+def smooth_backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need_d: bool):
     """``(dQ fp32 or None, dD in D.dtype or None)`` from the saved per-row ``lse``."""
     g = _geometry(Q, D, cross)
     meta = _meta(Q, g)
@@ -246,7 +248,7 @@ def backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need_d: boo
     if need_q:
         gq = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
         # enough programs to fill the device; each adds its partial dQ once (atomically)
-        target = 1 if interpreting() else 4 * _sm_count(Q.device)
+        target = 1 if interpreting() else 4 * sm_count(Q.device)
         n_split = max(1, min(g["n_j"], cdiv(target, g["n_qblocks"])))
         if interpreting() and g["n_j"] > 1:
             n_split = 2  # exercise the split (atomic) accumulation in CI
@@ -258,8 +260,3 @@ def backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need_d: boo
             ), meta)
     return gq, gd
 
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count

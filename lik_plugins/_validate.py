@@ -1,0 +1,80 @@
+"""Argument checks shared by the public ops (``ops``, ``fp8``): clear errors, raised
+before anything runs."""
+from __future__ import annotations
+
+import torch
+
+from .kernels.reference import MASK_MODES
+from .library import BACKWARD_STRATEGIES
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_options(backward: str, mask_mode: str) -> None:
+    if backward not in BACKWARD_STRATEGIES:
+        raise ValueError(f"backward must be one of {', '.join(map(repr, BACKWARD_STRATEGIES))}; got {backward!r}")
+    if mask_mode not in MASK_MODES:
+        raise ValueError(f"mask_mode must be one of {', '.join(map(repr, MASK_MODES))}; got {mask_mode!r}")
+
+
+def check_tensor(name: str, x, rank: int | tuple[int, ...]) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    ranks = (rank,) if isinstance(rank, int) else rank
+    if x.dim() not in ranks:
+        want = " or ".join(f"{r}-D" for r in ranks)
+        raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+
+
+def check_mask(name: str, mask, shape: tuple[int, ...], owner) -> torch.Tensor | None:
+    """``owner``: the tokens the mask belongs to (its ``.device`` is read only when there is a mask)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(mask.shape)}")
+    if mask.device != owner.device:
+        raise ValueError(f"{name} is on {mask.device} but the embeddings are on {owner.device}")
+    if mask.is_complex():
+        raise TypeError(f"{name} must be bool or a real 0/1 tensor, got {mask.dtype}")
+    # Non-zero = valid.  bool stays as is (the kernels read its bytes without a copy).
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def prepare(Q, D, q_mask, d_mask, *, pairs: bool):
+    """Validate; return (Q, D, q_mask, d_mask, cross).  Pairs keep ``D`` 3-D: the
+    one-candidate view is taken inside the registered op."""
+    check_tensor("Q", Q, 3)
+    if pairs:
+        check_tensor("D", D, 3)
+    else:
+        check_tensor("D", D, (3, 4))
+    if Q.dtype != D.dtype:
+        raise TypeError(f"Q and D must have the same dtype, got {Q.dtype} and {D.dtype}")
+    if pairs and D.shape[0] != Q.shape[0]:
+        raise ValueError(f"maxsim_pairs needs one document per query: Q has B={Q.shape[0]}, D has B={D.shape[0]}")
+    # pairs' D [B, Ld, d] and its mask [B, Ld] have the cross product's shapes
+    q_mask, d_mask, cross = check_geometry(Q, D, q_mask, d_mask)
+    return Q, D, q_mask, d_mask, cross and not pairs
+
+
+def check_geometry(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask):
+    """Device, embedding dim, per-query candidate count and masks of ``Q [Nq, Lq, d]``
+    against ``D [Nd, Ld, d]`` or ``[Nq, K, Ld, d]`` (token tensors of any dtype: the fp8
+    path checks its values with it too).  Returns ``(q_mask, d_mask, cross)``."""
+    # is_cuda and the device index are plain attributes; a torch.device is built only off CUDA
+    if Q.is_cuda != D.is_cuda or Q.get_device() != D.get_device() or (not Q.is_cuda and Q.device != D.device):
+        raise ValueError(f"Q is on {Q.device} but D is on {D.device}; move both to one device")
+    if Q.shape[-1] != D.shape[-1]:
+        raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, D has d={D.shape[-1]}")
+    nq, lq = Q.shape[0], Q.shape[1]
+    if D.dim() == 4 and D.shape[0] != nq:
+        raise ValueError(
+            f"per-query candidates D [Nq, K, Ld, d] must have Nq={nq} like Q, got D shape {tuple(D.shape)}"
+        )
+    q_mask = check_mask("q_mask", q_mask, (nq, lq), Q)
+    d_mask = check_mask("d_mask", d_mask, tuple(D.shape[:-1]), D)
+    return q_mask, d_mask, D.dim() == 3

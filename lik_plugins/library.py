@@ -1,0 +1,311 @@
+"""The registered op layer: every computation of the public ops as a ``torch.library``
+custom op with a fake (meta) kernel, and the one autograd path over them.
+
+=============================  ================================================================
+``lik::maxsim_forward``        scores and (for a gradient) the winning document token per query row
+``lik::maxsim_backward``       grad_Q / grad_D through the saved winners
+``lik::smooth_maxsim_forward`` smooth-max scores and the per-row log-sum-exp
+``lik::smooth_maxsim_backward`` its gradients, recomputed from the log-sum-exp
+``lik::maxsim_fp8``            fp8 (e4m3) scores, inference only
+=============================  ================================================================
+
+Each op picks its device path at run time, inside the op (``kernels.dispatch``), and counts
+the call in :func:`lik_plugins.routing_counts` -- so a ``torch.compile``d function routes
+and counts exactly as eager code does, and the compiler sees one opaque node per op with a
+fake kernel for shapes.  ``torch.compile(fullgraph=True)``, ``torch.export`` and CUDA graphs
+(``mode="reduce-overhead"``) trace through the public ops without a graph break.
+
+The autograd formulas are ``torch.autograd.Function`` s whose forward and backward call the
+ops above; they save only the winners (hard max) or the log-sum-exp (smooth max).  In eager
+mode a Function calls the op's Python implementation directly instead of going through
+the dispatcher: the dispatcher hop costs 17-40 us per call on a CPU like CI's (against
+6 us for the whole Function), which is most of a launch-bound call.  While compiling or
+exporting (``torch.compiler.is_compiling()``) the registered op is called, so the graph holds
+it.  Either way the same function computes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._routing import record
+from .kernels.common import COMPACT_MAX_ROWS, argmax_dtype
+from .kernels.dispatch import implementation, served_by, sm_count
+
+# Layouts, passed to the ops as ints (a custom op's schema takes int, not an enum).
+CROSS, CANDIDATES, PAIRS = 0, 1, 2
+BACKWARD_STRATEGIES = ("auto", "unified", "lowmem")
+
+# Short documents (ColBERT): lowmem up to this length, where its tiles list their rows.
+LOWMEM_MAX_LD = 256
+
+
+def _registered(name: str, fake):
+    """Register ``impl`` as ``lik::name`` with ``fake`` as its meta kernel; return a caller
+    that runs ``impl`` directly in eager mode and the registered op while compiling."""
+
+    def wrap(impl):
+        op = torch.library.custom_op(f"lik::{name}", impl, mutates_args=())
+        op.register_fake(fake)
+
+        def call(*args):
+            if torch.compiler.is_compiling():
+                return op(*args)
+            return impl(*args)
+
+        call.op = op
+        call.__doc__ = impl.__doc__
+        call.__name__ = name
+        return call
+
+    return wrap
+
+
+def _no_tensor(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    # A custom op returns tensors, never None: an absent result is an empty tensor.
+    return like.new_empty((0,), dtype=dtype)
+
+
+def _path(t: torch.Tensor, op: str, entry: str) -> str:
+    path = served_by(t, op)
+    if path == "reference":
+        # The public ops run the reference themselves; a compiled graph that was traced
+        # before LIK_DISABLE / LIK_BACKEND=reference was set lands here: same semantics.
+        path = "torch-chunked"
+    if entry:
+        record(entry, path)
+    return path
+
+
+def _shape_of_scores(Q, D, layout):
+    """(score shape, documents per query, Ld) of a MaxSim call."""
+    if layout == CROSS:
+        return (Q.shape[0], D.shape[0]), D.shape[0], D.shape[1]
+    if layout == CANDIDATES:
+        return (Q.shape[0], D.shape[1]), D.shape[1], D.shape[2]
+    return (Q.shape[0],), 1, D.shape[1]
+
+
+def _score_dtype(Q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if Q.dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- hard max
+def _maxsim_forward_fake(Q, D, q_mask, d_mask, layout, normalize, zero_mode, save_argmax, entry):
+    shape, nj, ld = _shape_of_scores(Q, D, layout)
+    scores = Q.new_empty(shape, dtype=_score_dtype(Q))
+    if not save_argmax:
+        return scores, _no_tensor(Q, torch.int16)
+    return scores, Q.new_empty((Q.shape[0], nj, Q.shape[1]), dtype=argmax_dtype(ld))
+
+
+@_registered("maxsim_forward", _maxsim_forward_fake)
+def maxsim_forward(
+    Q: torch.Tensor, D: torch.Tensor, q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor],
+    layout: int, normalize: bool, zero_mode: bool, save_argmax: bool, entry: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MaxSim scores and, when ``save_argmax``, the winners ``[Nq, NJ, Lq]`` (-1: none).
+    Pairs (``layout == PAIRS``) score ``D [B, Ld, d]`` as one candidate per query."""
+    impl = implementation(_path(Q, "maxsim", entry))
+    if layout == PAIRS:
+        D = D.unsqueeze(1)
+        d_mask = None if d_mask is None else d_mask.unsqueeze(1)
+    scores, argmax = impl.maxsim.forward(Q, D, q_mask, d_mask, cross=layout == CROSS, normalize=normalize,
+                                  zero_mode=zero_mode, save_argmax=save_argmax)
+    if layout == PAIRS:
+        scores = scores.squeeze(1)
+    return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
+
+
+def choose_backward(strategy: str, *, cross: bool, shape: tuple[int, int, int, int, int] | None = None,
+                    sms: int | None = None) -> str:
+    """Resolve ``backward="auto"``; ``shape = (Nq, Lq, Nd, Ld, d)`` of a cross product,
+    ``sms`` the GPU's streaming multiprocessors (default: an H100's 132).
+
+    * per-query candidates and pairs: ``lowmem`` — each document is owned by one query,
+      so destination-owned gradients have no contention, need no fp32 buffer and are
+      deterministic; atomics would buy nothing.
+    * in-batch cross product: ``lowmem`` where it measured best on an H100 (each grad_D
+      tile lists the query rows that picked one of its tokens, then multiplies only those;
+      docs/performance-notes.md), else ``unified`` -- one pass over the argmax that gathers
+      for grad_Q and scatters ``g * q`` into fp32 with relaxed atomics (slab by slab above
+      64 MiB of buffer):
+      - short documents (Ld <= ``LOWMEM_MAX_LD``) with at most ``COMPACT_MAX_ROWS`` query
+        rows: ColBERT 256 lowmem 0.75 ms at 24 MiB against unified 0.87 at 54 MiB,
+        ColBERT 1024 9.6 ms at 196 MiB against 12.7 at 204;
+      - fewer query programs (one per 32 query tokens) than the GPU has SMs, where unified
+        cannot fill it (ColPali 64: lowmem 0.35-0.47 ms at 17 MiB against unified 0.55-0.74 at 49);
+      - otherwise unified (ColPali 256: 1.94 ms at 134 MiB against lowmem 2.09 at 73).
+      ``unified`` rounds grad_D differently from run to run; pass ``backward="lowmem"``
+      for bitwise determinism.
+    """
+    if strategy not in BACKWARD_STRATEGIES:
+        raise ValueError(f"backward must be one of {', '.join(map(repr, BACKWARD_STRATEGIES))}; got {strategy!r}")
+    if strategy != "auto":
+        return strategy
+    if not cross:
+        return "lowmem"
+    if shape is not None:
+        nq, lq, nd, ld, dim = shape
+        if nq * -(-max(lq, 1) // 32) < (sms if sms is not None else sm_count(None)):
+            return "lowmem"
+        if ld <= LOWMEM_MAX_LD and nq * lq <= COMPACT_MAX_ROWS:
+            return "lowmem"
+    return "unified"
+
+
+def _maxsim_backward_fake(grad, Q, D, argmax, layout, normalize, strategy, need_q, need_d, q_masked):
+    return (Q.new_empty(Q.shape) if need_q else _no_tensor(Q)), (D.new_empty(D.shape) if need_d else _no_tensor(D))
+
+
+@_registered("maxsim_backward", _maxsim_backward_fake)
+def maxsim_backward(
+    grad: torch.Tensor, Q: torch.Tensor, D: torch.Tensor, argmax: torch.Tensor, layout: int, normalize: bool,
+    strategy: str, need_q: bool, need_d: bool, q_masked: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_Q, grad_D)`` through the winners (empty where not needed), in the inputs'
+    dtypes and shapes, contiguous."""
+    impl = implementation(_path(Q, "maxsim", ""))
+    cross = layout == CROSS
+    shape = (Q.shape[0], Q.shape[1], D.shape[0], D.shape[1], Q.shape[2]) if cross else None
+    strategy = choose_backward(strategy, cross=cross, shape=shape, sms=sm_count(Q.device))
+    D_view = D.unsqueeze(1) if layout == PAIRS else D
+    if layout == PAIRS:
+        grad = grad.unsqueeze(1)
+    gq, gd = impl.maxsim.backward(grad, Q, D_view, argmax, cross=cross, normalize=normalize, need_q=need_q,
+                           need_d=need_d, strategy=strategy, q_masked=q_masked)
+    if gd is not None and layout == PAIRS:
+        gd = gd.squeeze(1)
+    return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
+
+
+class _MaxSim(torch.autograd.Function):
+    """``options = (layout, normalize, zero_mode, strategy, entry)``: one argument, not five,
+    since ``apply`` walks every argument on every call."""
+
+    @staticmethod
+    def forward(ctx, Q, D, q_mask, d_mask, options):
+        layout, normalize, zero_mode, strategy, entry = options
+        scores, argmax = maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, entry)
+        ctx.save_for_backward(Q, D, argmax)
+        ctx.options = (layout, normalize, strategy, q_mask is not None)
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad):
+        Q, D, argmax = ctx.saved_tensors
+        layout, normalize, strategy, q_masked = ctx.options
+        need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gq, gd = maxsim_backward(grad, Q, D, argmax, layout, normalize, strategy, need_q, need_d, q_masked)
+        return (gq if need_q else None), (gd if need_d else None), None, None, None
+
+
+def maxsim(Q, D, q_mask, d_mask, *, layout: int, normalize: bool, zero_mode: bool, strategy: str,
+           entry: str) -> torch.Tensor:
+    """Validated inputs in, scores out: through autograd when a gradient is needed, else
+    the forward alone (nothing saved)."""
+    if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
+        return _MaxSim.apply(Q, D, q_mask, d_mask, (layout, normalize, zero_mode, strategy, entry))
+    return maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, False, entry)[0]
+
+
+# ----------------------------------------------------------------------------- smooth max
+def _smooth_forward_fake(Q, D, tau, layout, entry):
+    shape, nj, _ = _shape_of_scores(Q, D, layout)
+    dtype = _score_dtype(Q)
+    return Q.new_empty(shape, dtype=dtype), Q.new_empty((Q.shape[0], nj, Q.shape[1]), dtype=dtype)
+
+
+@_registered("smooth_maxsim_forward", _smooth_forward_fake)
+def smooth_maxsim_forward(Q: torch.Tensor, D: torch.Tensor, tau: float, layout: int,
+                          entry: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smooth-max scores and the per-row log-sum-exp ``[Nq, NJ, Lq]`` (fp32; fp64 inputs: fp64)."""
+    impl = implementation(_path(Q, "smooth", entry))
+    scores, lse = impl.smooth.smooth_forward(Q, D.unsqueeze(1) if layout == PAIRS else D, tau, layout == CROSS)
+    return (scores.squeeze(1) if layout == PAIRS else scores), lse
+
+
+def _smooth_backward_fake(grad, Q, D, lse, tau, layout, need_q, need_d):
+    return (Q.new_empty(Q.shape) if need_q else _no_tensor(Q)), (D.new_empty(D.shape) if need_d else _no_tensor(D))
+
+
+@_registered("smooth_maxsim_backward", _smooth_backward_fake)
+def smooth_maxsim_backward(grad: torch.Tensor, Q: torch.Tensor, D: torch.Tensor, lse: torch.Tensor, tau: float,
+                           layout: int, need_q: bool, need_d: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients from the recomputed softmax weights ``exp(S / tau - lse)``."""
+    impl = implementation(_path(Q, "smooth", ""))
+    pairs = layout == PAIRS
+    gq, gd = impl.smooth.smooth_backward(Q, D.unsqueeze(1) if pairs else D, lse, grad.unsqueeze(1) if pairs else grad,
+                                  tau, layout == CROSS, need_q, need_d)
+    gq = _no_tensor(Q) if gq is None else gq.to(Q.dtype)
+    gd = _no_tensor(D) if gd is None else (gd.squeeze(1) if pairs else gd).to(D.dtype)
+    return gq, gd
+
+
+class _SmoothMaxSim(torch.autograd.Function):
+    """Saves ``Q``, ``D`` and the per-row log-sum-exp; never its output (callers such as
+    colpali's negative filtering edit the scores in place)."""
+
+    @staticmethod
+    def forward(ctx, Q, D, options):
+        tau, layout, entry = options
+        scores, lse = smooth_maxsim_forward(Q, D, tau, layout, entry)
+        ctx.save_for_backward(Q, D, lse)
+        ctx.options = (tau, layout)
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad):
+        Q, D, lse = ctx.saved_tensors
+        tau, layout = ctx.options
+        need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_q or need_d):
+            return None, None, None
+        gq, gd = smooth_maxsim_backward(grad.contiguous(), Q, D, lse, tau, layout, need_q, need_d)
+        return (gq if need_q else None), (gd if need_d else None), None
+
+
+def smooth_maxsim(Q, D, *, tau: float, layout: int, entry: str) -> torch.Tensor:
+    if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
+        return _SmoothMaxSim.apply(Q, D, (tau, layout, entry))
+    return smooth_maxsim_forward(Q, D, tau, layout, entry)[0]
+
+
+# ----------------------------------------------------------------------------- fp8
+def _fp8_fake(Q, q_scales, d_values, d_scales, q_mask, d_mask, zero_mode, entry):
+    cross = d_values.dim() == 3
+    nj = d_values.shape[0] if cross else d_values.shape[1]
+    return Q.new_empty((Q.shape[0], nj), dtype=torch.float32)
+
+
+@_registered("maxsim_fp8", _fp8_fake)
+def maxsim_fp8(
+    Q: torch.Tensor, q_scales: Optional[torch.Tensor], d_values: torch.Tensor, d_scales: torch.Tensor,
+    q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor], zero_mode: bool, entry: str,
+) -> torch.Tensor:
+    """fp8 MaxSim: ``Q`` is e4m3 values with ``q_scales``, or float tokens (``q_scales``
+    None) quantised here -- inside the scoring kernel where that is cheaper (see
+    :func:`lik_plugins.fp8.fuse_query_quantisation`)."""
+    from . import fp8
+
+    path = _path(d_values, "fp8", entry)
+    cross = d_values.dim() == 3
+    if q_scales is None:
+        if path == "triton" and fp8.fuse_query_quantisation(Q, d_values):
+            from .kernels.triton import launch
+
+            return launch.forward(Q, d_values, q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode,
+                                  save_argmax=False, scales=(None, d_scales))[0]
+        Q, q_scales = fp8.quantize_tokens(Q, path)
+    if path == "triton":
+        from .kernels.triton import launch
+
+        return launch.forward(Q, d_values, q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode,
+                              save_argmax=False, scales=(q_scales, d_scales))[0]
+    # No fp8 matrix units here: the same numbers from the dequantised tokens, with the
+    # bounded-memory path (it materialises fp32 tokens, 4x the fp8 bytes).
+    from .kernels import chunked, reference
+
+    return chunked.forward(reference.dequantize_fp8(Q, q_scales), reference.dequantize_fp8(d_values, d_scales),
+                           q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode, save_argmax=False)[0]
