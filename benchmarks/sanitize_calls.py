@@ -5,7 +5,7 @@ edge is exercised."""
 import torch
 
 import lik_plugins as lik
-from lik_plugins.kernels.triton import launch
+
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -29,15 +29,6 @@ for layout in ("pairs", "kd", "cross"):
         dm = torch.rand(*shape[:-1], device=dev) > 0.3
         fn = lik.maxsim_pairs if layout == "pairs" else lik.maxsim
         fn(Q, D, None, dm, normalize=normalize, backward="lowmem").sum().backward()
-# The unified ring backward with its two slots reused: two documents per slab, four slabs.
-default_slabs = launch.RING_SLABS
-launch.RING_SLABS, launch.RING_ENABLED = 4, True  # off by default (launch.py); memcheck it anyway
-for normalize in (False, True):
-    Q = torch.randn(5, 33, 96, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    D = torch.randn(7, 70, 96, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    dm = torch.rand(7, 70, device=dev) > 0.3
-    lik.maxsim(Q, D, None, dm, normalize=normalize, backward="unified").sum().backward()
-launch.RING_SLABS, launch.RING_ENABLED = default_slabs, False
 Q = torch.randn(2, 300, 768, device=dev, dtype=torch.float32, requires_grad=True)   # K-loop + row chunks
 D = torch.randn(3, 40, 768, device=dev, dtype=torch.float32, requires_grad=True)
 lik.maxsim(Q, D, normalize=True).sum().backward()

@@ -164,18 +164,3 @@ def smooth_maxsim(Q: torch.Tensor, D: torch.Tensor, *, tau: float, layout: str =
     else:
         sim = torch.einsum("ash,akth->akst", Q, D)
     return (tau * torch.logsumexp(sim / tau, dim=-1)).sum(dim=-1)
-
-
-def _resolve_layout(Q: torch.Tensor, D: torch.Tensor, layout: str) -> str:
-    if layout == "auto":
-        layout = "candidates" if D.dim() == 4 else "cross"
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS} or 'auto', got {layout!r}")
-    want = 4 if layout == "candidates" else 3
-    if Q.dim() != 3 or D.dim() != want:
-        raise ValueError(f"smooth_maxsim[{layout}]: expected Q 3-D and D {want}-D, got {tuple(Q.shape)} and {tuple(D.shape)}")
-    if Q.shape[-1] != D.shape[-1]:
-        raise ValueError(f"smooth_maxsim: embedding dims differ ({Q.shape[-1]} vs {D.shape[-1]})")
-    if layout != "cross" and D.shape[0] != Q.shape[0]:
-        raise ValueError(f"smooth_maxsim[{layout}]: D must have one entry per query ({D.shape[0]} vs {Q.shape[0]})")
-    return layout

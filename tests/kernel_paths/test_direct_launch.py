@@ -138,9 +138,9 @@ def test_backward_plans_are_reused_per_geometry_and_stay_exact(monkeypatch, rout
         monkeypatch.setattr(launch, "GATHER_STEP_ELEMS", 64)      # one document a step: 40 steps
         monkeypatch.setattr(launch, "GATHER_SPLIT_MIN_STEPS", 2)  # split them over programs
     nq, lq, nj, ld = Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]
-    block_s, block_j, n_gather, n_split, _ = launch._gather_blocking(nq, nj, lq, 16)
+    block_s, block_j, n_gather, n_split, _ = launch._gather_blocking(nq, nj, lq, 16, 132)
     kind, gather = launch._lowmem_route(nq, lq, nj, ld, cross=not pairs, need_q=True, n_gather=n_gather,
-                                        n_split=n_split)
+                                        n_split=n_split, sms=132)
     assert (kind, gather) == {"compact": ("compact", "ride"), "dense": ("dense", "ride"),
                               "winners": ("winners", "ride"), "split-gather": ("dense", "alone")}[route]
     launch.clear_plans()
@@ -177,7 +177,7 @@ def test_compact_row_lists_are_freed_before_a_separate_gather(monkeypatch):
 
     monkeypatch.setenv("LIK_BACKEND", "triton")
     monkeypatch.setattr(launch, "COMPACT_MIN_WORK", 1)
-    monkeypatch.setattr(launch, "GATHER_ALONE_MIN_PROGRAMS", 1)   # the gather never rides
+    monkeypatch.setattr(launch, "GATHER_ALONE_MIN_WAVES", 0)   # the gather never rides
     nq, lq, nj = 3, 6, 4
     live_lists = []
     real_gather = launch._gather_pass

@@ -55,7 +55,7 @@ def lowmem_rows(request, monkeypatch):
     monkeypatch.setattr(launch, "COMPACT_MIN_WORK", 0)
     monkeypatch.setattr(launch, "COMPACT_SCAN", 16)
     if request.param == "compact-gather-after":
-        monkeypatch.setattr(launch, "GATHER_ALONE_MIN_PROGRAMS", 0)
+        monkeypatch.setattr(launch, "GATHER_ALONE_MIN_WAVES", 0)
     return request.param
 
 
@@ -130,7 +130,7 @@ def split_gather(monkeypatch):
     monkeypatch.setattr(launch, "GATHER_SPLIT_MIN_STEPS", 1)
 
     def splits(nq, nj, lq, d):
-        n_split = launch._gather_blocking(nq, nj, lq, max(16, launch.next_pow2(d)))[3]
+        n_split = launch._gather_blocking(nq, nj, lq, max(16, launch.next_pow2(d)), 132)[3]
         assert n_split > 1, "the shape no longer splits the gather: the test would not cover the partials"
 
     return splits

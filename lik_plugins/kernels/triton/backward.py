@@ -142,19 +142,6 @@ def _gather_body(
 
 
 @triton.jit
-def _grid_arrive_and_wait(SYNC, i_slab, n_programs):
-    """Barrier across all programs of the launch (they must all be resident): count in,
-    then spin until everyone has.  Release/acquire at GPU scope after a block barrier
-    orders every thread's earlier writes (and reductions) before the others' later reads."""
-    tl.debug_barrier()
-    tl.atomic_add(SYNC + i_slab, 1, sem="release", scope="gpu")
-    n = tl.atomic_add(SYNC + i_slab, 0, sem="acquire", scope="gpu")
-    while n < n_programs:
-        n = tl.atomic_add(SYNC + i_slab, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
 def _doc_winners(ARG, o_rr, r_hi, i_j, n_j, lq):
     """Winning token in document ``i_j`` of the flat query rows ``o_rr`` (-1: none)."""
     return tl.load(ARG + ((o_rr // lq) * n_j + i_j) * lq + o_rr % lq, mask=o_rr < r_hi, other=-1).to(tl.int32)
@@ -485,68 +472,6 @@ def maxsim_bwd_winners_kernel(
             pid, G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
             s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_ai, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD,
         )
-
-
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "slab", "n_slabs", "n_programs", "rows_per_program"])
-def maxsim_bwd_ring_kernel(
-    G, Q, D, RQ, RD, ARG, GQ, GD, SLOTS, SYNC,
-    n_q, n_j, lq, ld, dim,
-    s_gi, s_gj,
-    s_qi, s_qs, s_qh,
-    s_dj, s_dt, s_dh,
-    s_rdj, s_ai,
-    slab, n_slabs, n_programs, rows_per_program,
-    NEED_Q: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, D_PAD: tl.constexpr,
-):
-    """``unified`` backward of the cross product with a bounded fp32 buffer, in one launch.
-
-    Every program owns one (query, token block) for the whole walk, as the gather kernel,
-    but walks the documents slab by slab: it scatters slab ``s`` into ring slot ``s % 2``,
-    meets the others at a grid barrier, then converts its share of that slot to grad_D in
-    the input dtype and zeroes it.  Slot ``s % 2`` is written again at slab ``s + 2``, after
-    the barrier of slab ``s + 1``, which every program reaches only after its share of
-    slab ``s`` is converted -- one barrier per slab, no host round trip, and the buffer is
-    two slabs instead of all documents.  All programs must be resident at once (the host
-    checks the occupancy before choosing this kernel)."""
-    pid = tl.program_id(0)
-    i_q, o_s, m_s, m_h, b_q, b_qs, b_rq = _gather_rows(
-        pid, Q, RQ, lq, dim, s_qi, s_qs, s_qh, NORMALIZE, BLOCK_S, D_PAD)
-    o_c = tl.arange(0, BLOCK_C)
-    o_h = tl.arange(0, D_PAD)
-    b_acc = tl.zeros([BLOCK_S, D_PAD], tl.float32)
-    slot_elems = slab.to(tl.int64) * ld * dim
-    for i_slab in range(0, n_slabs):
-        j_lo = i_slab * slab
-        j_hi = tl.minimum(j_lo + slab, n_j)
-        p_slot = SLOTS + (i_slab % 2) * slot_elems
-        b_acc = _gather_walk(
-            b_acc, i_q, o_s, m_s, m_h, b_qs, j_lo, j_hi,
-            G, D, RD, ARG, p_slot, lq, dim, s_gi, s_gj, 0, s_dj, s_dt, s_dh, 0, s_rdj, 0, ld * dim, s_ai, j_lo,
-            NEED_Q, True, NORMALIZE, BLOCK_J, D_PAD,
-        )
-        _grid_arrive_and_wait(SYNC, i_slab, n_programs)
-        # this program's rows of the slab: fp32 (read past L1: other SMs wrote them) ->
-        # grad_D in the input dtype, and the slot zeroed for slab i_slab + 2
-        n_rows = (j_hi - j_lo) * ld
-        for c0 in range(pid * rows_per_program, (pid + 1) * rows_per_program, BLOCK_C):
-            o_r = c0 + o_c
-            m_c = (o_r < n_rows) & (o_r < (pid + 1) * rows_per_program)
-            m_ch = m_c[:, None] & m_h[None, :]
-            p_r = p_slot + o_r[:, None].to(tl.int64) * dim + o_h[None, :]
-            b_g32 = tl.load(p_r, mask=m_ch, other=0.0, cache_modifier=".cg")
-            o_row = j_lo.to(tl.int64) * ld + o_r                                          # row of grad_D
-            if NORMALIZE:
-                i_dj = o_row // ld
-                i_dt = o_row % ld
-                b_d = tl.load(D + i_dj[:, None] * s_dj + i_dt[:, None] * s_dt + o_h[None, :] * s_dh,
-                              mask=m_ch, other=0.0).to(tl.float32)
-                b_rd = tl.load(RD + i_dj * s_rdj + i_dt, mask=m_c, other=0.0)
-                b_g32 = _project(b_g32, b_d, b_rd)
-            tl.store(GD + o_row[:, None] * dim + o_h[None, :], b_g32.to(GD.dtype.element_ty), mask=m_ch)
-            tl.store(p_r, tl.zeros([BLOCK_C, D_PAD], tl.float32), mask=m_ch)
-    if NEED_Q:
-        _store_grad_q(GQ, b_acc, b_q, b_rq, i_q, o_s, m_s, m_h, lq, dim, NORMALIZE)
 
 
 @triton.jit

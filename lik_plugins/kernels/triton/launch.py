@@ -10,10 +10,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import COMPACT_MAX_ROWS, inverse_norms
+from ..common import COMPACT_MAX_ROWS, argmax_dtype, inverse_norms
+from ..dispatch import sm_count
 from . import direct
 from .backward import (
-    maxsim_bwd_gather_kernel, maxsim_bwd_ring_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
+    maxsim_bwd_gather_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
 )
 from .direct import launch
 from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2, size_class
@@ -38,7 +39,7 @@ WIDE_BLOCK_M = 256
 # takes ~1-2 us of dependent loads, the split ~50 us of host time on the H100 machine, so
 # below GATHER_SPLIT_MIN_STEPS the unsplit gather finishes first (the 8x8 training shape:
 # 4 steps; rerank 1x1000: 500).
-GATHER_TARGET_PROGRAMS = 264
+GATHER_TARGET_WAVES = 2      # programs per SM of the device (an H100: 264)
 GATHER_SPLIT_BELOW = 64
 GATHER_SPLIT_MIN_STEPS = 32
 # Gather blocking: up to GATHER_MAX_BLOCK_S query tokens per program, and about
@@ -53,21 +54,6 @@ GATHER_STEP_ELEMS = 8192
 # documents are scattered slab by slab.  Slabs cost time (each is a launch with less
 # parallelism: 4 MiB measured 1.3-3x slower on an H100), so the cap is generous.
 UNIFIED_BUFFER_BYTES = 64 << 20
-# The ring backward (one launch, one grid barrier per slab) walks the documents in this
-# many slabs and keeps two of them in fp32: 1/16 of a one-pass buffer, i.e. 1/8 of grad_D
-# in bf16.  On an H100 the ring ran within 10 % of the one-pass buffer at 16-32 slabs and
-# faster at ColPali 256 (the slots stay in L2; benchmarks/NOTES.md, v9).
-RING_SLABS = 32
-# The ring is OFF: on an H100 it returned a wrong grad_D in part of the runs (session 5,
-# benchmarks/NOTES.md "v11"): with identical inputs, rows of some slabs came back partial
-# or zero -- more often with bigger slabs (2 slabs: every run; 14: about half; one document
-# per slab: never), while the grid-barrier counters and the final slots were as designed,
-# and GPU-scope fences in every thread or a single pipeline stage did not change it, nor did
-# one-element atomics instead of Hopper's vector ones (session 7: 4 of 10 runs wrong).  The
-# cause is not found; until it is, the cross product's unified backward uses the one-pass
-# fp32 buffer (slab by slab above UNIFIED_BUFFER_BYTES).  The kernel and its tests stay
-# for that work (tests/gpu switch it on and expect the failure).
-RING_ENABLED = False
 # lowmem for the cross product: each grad_D tile first lists the query rows whose winner
 # lies in it (two scans of the document's winners, the list in an int16 scratch the size
 # of the argmax), so its one-hot product walks Nq*Lq*BLOCK_T/Ld rows instead of all Nq*Lq.
@@ -79,8 +65,8 @@ RING_ENABLED = False
 COMPACT_LOWMEM = True
 COMPACT_SCAN = 4096
 COMPACT_MIN_WORK = 1 << 24   # Nq*Lq * Nd*Ld: the dense walk's one-hot size
-# A gather of fewer programs than an H100 has SMs (132) rides in the grad_D launch.
-GATHER_ALONE_MIN_PROGRAMS = 132
+# A gather of fewer programs than the device has SMs rides in the grad_D launch.
+GATHER_ALONE_MIN_WAVES = 1
 # fp8 inference forward: an elementwise running max over the document tiles, reduced
 # across columns once at the end instead of a cross-thread reduction per tile.  The fp8
 # MMA is twice as fast, so the CUDA-core epilogue is its bottleneck; on an H100 this made
@@ -273,7 +259,7 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     n_qblocks = cdiv(nq, qpb)
     # one row chunk (Lq <= 128, the common case) writes the final scores directly
     out_shape = (nq, nj) if n_chunks == 1 else (n_chunks, nq, nj)
-    arg_dtype = (torch.int16 if ld < 2**15 else torch.int32) if save_argmax else None
+    arg_dtype = argmax_dtype(ld) if save_argmax else None
     if nq * nj == 0 or lq == 0:
         return _ForwardPlan(None, (0,), (), {}, out_shape, n_chunks, arg_dtype, True), None
     s_dmi, s_dmj, s_dmt = (0, 0, 0) if not has_dm else ((0, *s_dm) if cross else s_dm)
@@ -375,8 +361,9 @@ def _finish_grad_d(g32, D, rd, out, normalize):
         out.copy_(g32)
 
 
-def _gather_blocking(nq, nj, lq, d_pad):
-    """(BLOCK_S, BLOCK_J, programs per split, n_split, documents per split) of the gather."""
+def _gather_blocking(nq, nj, lq, d_pad, sms):
+    """(BLOCK_S, BLOCK_J, programs per split, n_split, documents per split) of the gather on
+    a device of ``sms`` streaming multiprocessors."""
     block_s = max(1, min(next_pow2(lq), 4096 // d_pad, GATHER_MAX_BLOCK_S))
     # ~64 gathered rows per step (fewer for wide embeddings: registers)
     block_j = max(1, min(next_pow2(nj), max(1, GATHER_STEP_ELEMS // (block_s * d_pad))))
@@ -384,7 +371,7 @@ def _gather_blocking(nq, nj, lq, d_pad):
     j_steps = cdiv(nj, block_j)
     n_split = 1
     if base_programs < GATHER_SPLIT_BELOW and j_steps >= GATHER_SPLIT_MIN_STEPS:
-        n_split = max(1, min(j_steps, GATHER_TARGET_PROGRAMS // base_programs))
+        n_split = max(1, min(j_steps, GATHER_TARGET_WAVES * sms // base_programs))
     j_per_split = cdiv(j_steps, n_split) * block_j
     return block_s, block_j, base_programs, cdiv(nj, j_per_split), j_per_split
 
@@ -401,7 +388,7 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
     placeholder = _placeholder(device, torch.float32)
     need_q = grad_q is not None
     scatter = gd32 is not None
-    block_s, block_j, base_programs, n_split, j_per_split = _gather_blocking(nq, nj, lq, d_pad)
+    block_s, block_j, base_programs, n_split, j_per_split = _gather_blocking(nq, nj, lq, d_pad, sm_count(device))
     partial = need_q and n_split > 1
     gq_out = grad_q
     if partial:
@@ -426,66 +413,6 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
             _project_into(summed, Q, rq, grad_q)
         else:
             grad_q.copy_(summed)
-
-
-_RING_CAPACITY: dict = {}
-
-
-def _resident_programs(compiled, device) -> int:
-    """How many programs of ``compiled`` an idle GPU keeps resident at once."""
-    props = torch.cuda.get_device_properties(device)
-    if getattr(compiled, "n_regs", None) is None:
-        compiled._init_handles()  # loads the binary: register count and spills become known
-    threads = 32 * compiled.metadata.num_warps
-    regs = max(8, -(-max(compiled.n_regs, 1) // 8) * 8) * threads   # allocation granularity
-    per_sm = min(
-        getattr(props, "max_threads_per_multi_processor", 2048) // threads,
-        getattr(props, "regs_per_multiprocessor", 65536) // regs,
-        getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // max(compiled.metadata.shared + 1024, 1),
-        32,
-    )
-    return per_sm * props.multi_processor_count
-
-
-def _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, *, normalize, d_pad):
-    """grad_Q and grad_D of the cross product through :func:`maxsim_bwd_ring_kernel`, or
-    None when its programs would not all be resident (the grid barrier needs them to be)."""
-    nq, lq, dim = Q.shape
-    nj, ld = D.shape[0], D.shape[1]
-    block_s, block_j, n_programs, _, _ = _gather_blocking(nq, nj, lq, d_pad)
-    need_q = grad_q is not None
-    meta = dict(NEED_Q=need_q, NORMALIZE=bool(normalize), BLOCK_J=block_j, BLOCK_S=block_s,
-                BLOCK_C=max(1, min(32, 4096 // d_pad)), D_PAD=d_pad)
-    if interpreting():
-        if n_programs != 1:  # the interpreter runs programs one after another: no barrier
-            return None
-    else:
-        meta["num_warps"] = 4 if d_pad <= 128 else 8
-    slab = cdiv(nj, RING_SLABS)
-    n_slabs = cdiv(nj, slab)
-    device = Q.device
-    key = (device, tuple(sorted(meta.items())), Q.dtype, D.dtype)
-    if key in _RING_CAPACITY and n_programs > _RING_CAPACITY[key]:
-        return None
-    grad_d = torch.empty(D.shape, dtype=D.dtype, device=device)
-    slots = torch.zeros((2 if n_slabs > 1 else 1, slab, ld, dim), dtype=torch.float32, device=device)
-    sync = torch.zeros(n_slabs, dtype=torch.int32, device=device)
-    args = (
-        grad, Q, D, rq, rd, argmax, grad_q if need_q else grad_d, grad_d, slots, sync,
-        nq, nj, lq, ld, dim,
-        grad.stride(0), grad.stride(1),
-        Q.stride(0), Q.stride(1), Q.stride(2),
-        D.stride(0), D.stride(1), D.stride(2),
-        rd.stride(0) if normalize else 0, argmax.stride(0),
-        slab, n_slabs, n_programs, cdiv(slab * ld, n_programs),
-    )
-    if not interpreting() and key not in _RING_CAPACITY:
-        compiled = maxsim_bwd_ring_kernel.warmup(*args, grid=(n_programs,), **meta)
-        _RING_CAPACITY[key] = _resident_programs(compiled, device)
-        if n_programs > _RING_CAPACITY[key]:
-            return None
-    maxsim_bwd_ring_kernel[(n_programs,)](*args, **meta)
-    return grad_q, grad_d
 
 
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, q_masked=True):
@@ -530,11 +457,11 @@ _LOWMEM_PLANS: dict = {}
 def _lowmem_knobs() -> tuple:
     # module constants a plan depends on: part of the key, so a test or sweep that changes
     # one never replays a plan made under the old value
-    return (COMPACT_LOWMEM, COMPACT_MIN_WORK, COMPACT_SCAN, GATHER_ALONE_MIN_PROGRAMS, GATHER_MAX_BLOCK_S,
-            GATHER_STEP_ELEMS, GATHER_SPLIT_BELOW, GATHER_SPLIT_MIN_STEPS, GATHER_TARGET_PROGRAMS, MAX_ROWS_PER_Q)
+    return (COMPACT_LOWMEM, COMPACT_MIN_WORK, COMPACT_SCAN, GATHER_ALONE_MIN_WAVES, GATHER_MAX_BLOCK_S,
+            GATHER_STEP_ELEMS, GATHER_SPLIT_BELOW, GATHER_SPLIT_MIN_STEPS, GATHER_TARGET_WAVES, MAX_ROWS_PER_Q)
 
 
-def _lowmem_route(nq, lq, nj, ld, *, cross, need_q, n_gather, n_split):
+def _lowmem_route(nq, lq, nj, ld, *, cross, need_q, n_gather, n_split, sms):
     """(grad_D kernel, how grad_Q is gathered) of a lowmem backward: kernel ``"compact"``,
     ``"winners"`` or ``"dense"``; grad_Q ``"ride"``, ``"alone"`` or None."""
     if cross and COMPACT_LOWMEM and nq * lq <= COMPACT_MAX_ROWS and nq * lq * nj * ld >= COMPACT_MIN_WORK:
@@ -543,7 +470,7 @@ def _lowmem_route(nq, lq, nj, ld, *, cross, need_q, n_gather, n_split):
         # programs to fill the GPU on its own (ColPali 64: 64 programs; alone it made the step
         # 0.81 ms against 0.4-0.7 with it riding along, NOTES v14): then it rides in the
         # grad_D launch and its grad_Q lives beside the lists.
-        ride = n_split == 1 and n_gather < GATHER_ALONE_MIN_PROGRAMS
+        ride = n_split == 1 and n_gather < GATHER_ALONE_MIN_WAVES * sms
         return "compact", ("ride" if ride else "alone") if need_q else None
     # candidates and pairs with Lq <= 128: zero-filled grad_D, winning rows written
     kernel = "winners" if not cross and lq <= MAX_ROWS_PER_Q else "dense"
@@ -557,8 +484,10 @@ def _plan_lowmem(grad, Q, D, argmax, rd, *, cross, normalize, need_q, q_masked):
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     s_rdi, s_rdj = _norm_strides(rd, cross, normalize)
     d_pad = max(16, next_pow2(dim))
-    block_s, block_j, n_gather, n_split, _ = _gather_blocking(nq, nj, lq, d_pad)
-    kind, gather = _lowmem_route(nq, lq, nj, ld, cross=cross, need_q=need_q, n_gather=n_gather, n_split=n_split)
+    sms = sm_count(Q.device)
+    block_s, block_j, n_gather, n_split, _ = _gather_blocking(nq, nj, lq, d_pad, sms)
+    kind, gather = _lowmem_route(nq, lq, nj, ld, cross=cross, need_q=need_q, n_gather=n_gather, n_split=n_split,
+                                 sms=sms)
     ride = gather == "ride"
     n_gather = n_gather if ride else 0
     f32_dot = Q.dtype != torch.bfloat16
@@ -645,14 +574,8 @@ def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, n
     grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if need_q else None
     # fp32 inputs without normalisation scatter straight into grad_D; otherwise an fp32
     # buffer is needed, and for the cross product it is bounded: slab by slab from the host
-    # above UNIFIED_BUFFER_BYTES (grad_Q then gets its own gather pass).  The one-launch
-    # ring is off (RING_ENABLED).
+    # above UNIFIED_BUFFER_BYTES (grad_Q then gets its own gather pass).
     direct = need_d and D.dtype == torch.float32 and not normalize
-    if need_d and cross and not direct and RING_ENABLED:
-        ring = _ring_backward(grad, Q, D, argmax, rq, rd, grad_q, normalize=normalize,
-                              d_pad=max(16, next_pow2(dim)))
-        if ring is not None:
-            return ring
     slab = nj
     if need_d and not direct and cross:
         slab = max(1, min(nj, UNIFIED_BUFFER_BYTES // max(ld * dim * 4, 1)))
