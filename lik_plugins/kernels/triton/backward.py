@@ -302,7 +302,7 @@ def _compact_doc_body(
                   s_rdi, s_rdj, NORMALIZE)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld"])
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "s_gi", "s_rdi", "s_rdj", "s_ai", "n_split", "j_per_split"])
 def maxsim_bwd_gather_kernel(
     G, Q, D, RQ, RD, ARG, GQ, GD32,
     n_q, n_j, lq, ld, dim,
@@ -322,7 +322,7 @@ def maxsim_bwd_gather_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_gather_programs"])
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_gather_programs", "s_gi", "s_rdi", "s_rdj", "s_ai"])
 def maxsim_bwd_doc_kernel(
     G, Q, D, RQ, RD, ARG, GD, GQ,
     n_q, n_j, lq, ld, dim,
@@ -438,7 +438,7 @@ def _winners_body(
     tl.store(p_gd, b_acc.to(GD.dtype.element_ty), mask=first[:, None] & m_h[None, :])
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_gather_programs"])
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_gather_programs", "s_gi", "s_rdi", "s_rdj", "s_ai"])
 def maxsim_bwd_winners_kernel(
     G, Q, D, RQ, RD, ARG, GD, GQ,
     n_q, n_j, lq, ld, dim,
@@ -474,7 +474,7 @@ def maxsim_bwd_winners_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def project_rows_kernel(G32, X, RX, OUT, n_rows, dim, s_xr, s_xh, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr):
     """OUT[r] = (G32[r] - <G32[r], x_hat> x_hat) / ||x||, for an fp32 buffer of rows."""
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

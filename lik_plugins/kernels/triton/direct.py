@@ -12,23 +12,34 @@ directly with the new arguments.
 A plan is keyed by what decides Triton's specialisation, conservatively: the kernel, the
 device, the meta-parameters (constexprs, warps, stages) and, per argument, its type; for
 tensors the dtype and whether the address is 16-byte aligned; for integers whether the
-value is 1, divisible by 16, and fits in 32 bits.  Two calls with the same key get the same
-compiled binary from the JIT too, so replaying it is what the JIT would have launched.
+value is 1, divisible by 16, and fits in 32 bits -- except the kernel's ``do_not_specialize``
+arguments (lengths, and strides that follow them), of which only the 32-bit fit counts.  Two
+calls with the same key get the same compiled binary from the JIT too, so replaying it is
+what the JIT would have launched; and a length the plan has not seen yet replays it too.
 
 The JIT path stays wherever replaying could differ from it: the interpreter, an
-autotuner (it launches its own choice), profiler launch hooks, a Triton without the
-launcher layout this was written for (``LIK_DIRECT_LAUNCH=0`` forces it as well).
+autotuner (it launches its own choice), profiler launch hooks, a Triton other than the
+versions this was verified with (:data:`VERIFIED_TRITON`), or one whose replay failed the
+self-check made at first use (:func:`replay_ok`); ``LIK_DIRECT_LAUNCH=0`` forces it as well.
+
+Every launch (JIT, replayed or interpreted) is also counted by its specialisation in
+:func:`variants`: the number of binaries a kernel needs over a run, which the tests bound.
 Switches that change the JIT's own cache key at run time (Triton's debug and
 instrumentation knobs) are not part of a plan: call :func:`clear` after flipping them.
 """
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 import triton
 
 from ..._config import direct_launch_enabled
+
+# Triton releases (major, minor) whose compiled-launcher layout the replay was checked
+# against on a GPU; others launch through the JIT.
+VERIFIED_TRITON = ((3, 6),)
 
 # Plans are cheap (a reference to the compiled kernel and a tuple of constants), but
 # shapes that change every call would add one each: past this many, start over.
@@ -37,15 +48,66 @@ MAX_PLANS = 4096
 _plans: dict = {}
 
 
-def _feature(arg):
+def _feature(arg, specialized: bool = True):
     kind = type(arg)
     if kind is int:
-        return (arg == 1, arg % 16 == 0, -0x80000000 <= arg <= 0x7FFFFFFF)
+        fits = -0x80000000 <= arg <= 0x7FFFFFFF
+        return (arg == 1, arg % 16 == 0, fits) if specialized else fits
     if kind is bool or arg is None:
         return (kind, arg)
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
     return (kind,)
+
+
+_SPECIALIZED: dict = {}
+
+
+def specialized_args(kernel) -> tuple[bool, ...]:
+    """Per positional parameter of ``kernel`` (a JIT or interpreted function, or an
+    autotuner around one): does Triton specialise on its value?"""
+    key = id(kernel)
+    flags = _SPECIALIZED.get(key)
+    if flags is None:
+        fn = kernel
+        if not (hasattr(fn, "params") or hasattr(fn, "kwargs")):
+            fn = fn.fn                               # an Autotuner wraps the JIT function
+        inner = fn.fn                                # the Python function itself
+        names = list(inspect.signature(inner).parameters)
+        params = getattr(fn, "params", None)
+        if params is not None:
+            skip = {p.name for p in params if p.do_not_specialize}
+        else:                                          # the interpreter keeps the decorator's kwargs
+            skip = set(getattr(fn, "kwargs", {}).get("do_not_specialize", ()) or ())
+        flags = _SPECIALIZED[key] = tuple(name not in skip for name in names)
+    return flags
+
+
+def _signature(kernel, args: tuple) -> tuple:
+    flags = specialized_args(kernel)
+    return tuple(_feature(a, flags[i] if i < len(flags) else True) for i, a in enumerate(args))
+
+
+# (kernel name, meta, argument signature) of every launch: the binaries the calls needed.
+_VARIANTS: set = set()
+
+
+def variants() -> dict[str, int]:
+    """Distinct specialisations launched so far, per kernel name (an autotuned launch counts
+    once per autotuner key: its sweep compiles more, once)."""
+    counts: dict[str, int] = {}
+    for name, _, _ in _VARIANTS:
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def reset_variants() -> None:
+    _VARIANTS.clear()
+
+
+def _kernel_name(kernel) -> str:
+    fn = getattr(kernel, "fn", kernel)
+    return getattr(getattr(fn, "fn", fn), "__name__", repr(kernel))
 
 
 def _active(hook) -> bool:
@@ -83,24 +145,34 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
     PyTorch's CUDA allocator, which starts every block on a 512-byte boundary, so their
     alignment needs no check (~3 us less per launch on the device machine's CPU)."""
     # an Autotuner or the interpreter's function (TRITON_INTERPRET=1 at import) is not a JITFunction
-    if type(kernel) is not triton.runtime.JITFunction or not direct_launch_enabled() or _hooks_set():
+    if type(kernel) is not triton.runtime.JITFunction or not direct_launch_enabled() or _hooks_set() \
+            or not replay_ok():
+        _VARIANTS.add((_kernel_name(kernel), tuple(sorted(meta.items())), _signature(kernel, args)))
         return kernel[grid](*args, **meta)
     if callable(grid):
         grid = grid(meta)
     device = torch.cuda.current_device()
+    generic = None
     if static_key is None:
-        key = (id(kernel), device, tuple(meta.items()), *map(_feature, args))
+        key = generic = (id(kernel), device, tuple(meta.items()), *_signature(kernel, args))
     else:
         checked = args if caller_tensors is None else caller_tensors
         key = (id(kernel), device, static_key,
                *[a.data_ptr() % 16 == 0 for a in checked if isinstance(a, torch.Tensor)])
     plan = _plans.get(key)
     if plan is None:
-        compiled = kernel[grid](*args, **meta)
+        if generic is None:
+            # a static key not seen yet (a new length, say): the binary may well be known
+            generic = (id(kernel), device, tuple(meta.items()), *_signature(kernel, args))
+            plan = _plans.get(generic)
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
-        _plans[key] = (compiled, _tail(kernel, len(args), meta))
-        return compiled
+        if plan is None:
+            _VARIANTS.add((_kernel_name(kernel), tuple(sorted(meta.items())), _signature(kernel, args)))
+            compiled = kernel[grid](*args, **meta)
+            _plans[key] = _plans[generic] = (compiled, _tail(kernel, len(args), meta))
+            return compiled
+        _plans[key] = plan
     compiled, tail = plan
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                  torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
@@ -111,3 +183,44 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
 def clear() -> None:
     """Forget every plan (the next launch of each goes through the JIT again)."""
     _plans.clear()
+
+
+_REPLAY_OK: list = []
+
+
+def replay_ok() -> bool:
+    """The replay is verified for this Triton (:data:`VERIFIED_TRITON`) and passed its
+    self-check: a small kernel launched through the JIT and then replayed with other
+    arguments (lengths not specialised, another scalar, another output) must write what
+    the JIT computes.  Checked once per process, on the first CUDA launch; a failure
+    warns once and leaves every launch on the JIT path."""
+    if _REPLAY_OK:
+        return _REPLAY_OK[0]
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    ok, why = version in VERIFIED_TRITON, f"Triton {triton.__version__} is not one of the verified releases"
+    if ok:
+        try:
+            ok, why = _self_check(), "the replayed launch wrote other values than the JIT's"
+        except Exception as exc:  # a changed launcher layout shows up as a TypeError or a fault
+            ok, why = False, f"the replayed launch failed ({type(exc).__name__}: {exc})"
+        if not ok:
+            warnings.warn(f"lik_plugins: launching Triton kernels through the JIT: {why}", RuntimeWarning,
+                          stacklevel=3)
+    _REPLAY_OK.append(ok)
+    return ok
+
+
+def _self_check() -> bool:
+    from .tuning import _self_check_kernel
+
+    x = torch.arange(100, device="cuda", dtype=torch.float32)
+    outs = [torch.full((100,), -1.0, device="cuda") for _ in range(2)]
+    n_first, n_second = 37, 91
+    meta = {"BLOCK": 64}
+    compiled = _self_check_kernel[(2,)](x, outs[0], n_first, 2.0, **meta)
+    tail = _tail(_self_check_kernel, 4, meta)
+    compiled.run(2, 1, 1, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), compiled.function,
+                 compiled.packed_metadata, None, None, None, x, outs[1], n_second, 3.0, *tail)
+    torch.cuda.synchronize()
+    want = [torch.where(torch.arange(100, device="cuda") < n, x * k, -1.0) for n, k in ((n_first, 2.0), (n_second, 3.0))]
+    return all(torch.equal(o, w) for o, w in zip(outs, want))

@@ -209,7 +209,10 @@ def _store_document(
         tl.store(p_arg, b_win.to(ARG.dtype.element_ty), mask=m_row)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks", "size_class"])
+# Lengths, and strides that follow them without mattering for vector loads (mask, norm,
+# argmax and score strides), are not specialised: a new length compiles nothing (launch.py).
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks", "size_class", "s_qmi", "s_dmi",
+                               "s_dmj", "s_rdi", "s_rdj"])
 def maxsim_fwd_kernel(
     Q, D, QM, DM, RQ, RD, OUT, ARG,
     n_q, n_j, lq, ld, dim,

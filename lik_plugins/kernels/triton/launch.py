@@ -3,6 +3,22 @@
 Same signatures as :mod:`lik_plugins.kernels.chunked`.  No host synchronisation happens
 here (no ``.item()``, no data-dependent shapes), so forward and backward can be captured
 in a CUDA graph once the autotuner has seen the shape bucket.
+
+Lengths that change every call: batch sizes and lengths are runtime arguments that Triton
+does not specialise on (``do_not_specialize``), as are the strides that follow them; the
+constexprs that depend on a length are buckets.  For one dtype, embedding width, mask
+presence and option set, the binaries a kernel needs are bounded by its buckets:
+
+* forward: query rows per program (powers of two, 16-256: 5) x documents per program
+  (1 or 4) x tail widths (0, 16, 32, 64) -- at most 40, in practice a handful;
+* lowmem grad_D: row-list scan width (powers of two up to 4096) x gather blocking
+  (``BLOCK_S`` powers of two up to 16) x route (compact / dense / winners);
+* gather: ``BLOCK_S`` x ``BLOCK_J`` (powers of two) x split.
+
+:data:`MAX_VARIANTS_PER_KERNEL` is the bound the tests hold a sweep of lengths to
+(``tests/kernel_paths/test_shape_stability.py``).  Host-side plans are cached per exact
+geometry (the fast path of a repeated shape); a new length builds its plan (tens of
+microseconds) and replays the binary its bucket already has (``direct.py``).
 """
 from __future__ import annotations
 
@@ -19,6 +35,8 @@ from .backward import (
 from .direct import launch
 from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2, size_class
 
+# Upper bound on the binaries one kernel needs for one dtype / width / option set (above).
+MAX_VARIANTS_PER_KERNEL = 40
 # Lq above this is split into row chunks of this many tokens (exact: partial sums).
 MAX_ROWS_PER_Q = 128
 # Rows per program the forward aims for: 128 rows fill a Hopper warpgroup MMA twice over.

@@ -18,7 +18,7 @@ from .direct import launch
 from .tuning import cdiv, interpreting, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def quantize_rows_kernel(X, V, S, n_rows, dim, s_xr, s_xh, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
                          FP8_LIMIT: tl.constexpr, CAST_ON_HOST: tl.constexpr):
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -65,7 +65,7 @@ def _load_doc_tile(p_doc, n0, ld, dim, s_dt, s_dh,
     return b_d, m_n
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks"])
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "s_oi", "s_li", "s_lj"])
 def _smooth_fwd_kernel(
     Q, D, OUT, LSE,
     n_q, n_j, lq, ld, dim, n_qblocks, scale2, tau,
@@ -109,7 +109,7 @@ def _weights(b_q, b_d, m_n, b_lse, b_g, m_row, scale2, PRECISION: tl.constexpr):
     return tl.where(m_row[:, None] & m_n[None, :], b_p * b_g[:, None], 0.0)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_ntiles"])
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_ntiles", "s_li", "s_lj", "s_gi"])
 def _smooth_bwd_dd_kernel(
     Q, D, LSE, G, GD,
     n_q, n_j, lq, ld, dim, n_qblocks, n_ntiles, scale2,
@@ -148,7 +148,7 @@ def _smooth_bwd_dd_kernel(
     tl.store(p_gd, b_acc.to(GD.dtype.element_ty), mask=m_n[:, None] & (o_k[None, :] < dim))
 
 
-@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_split"])
+@triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_split", "s_li", "s_lj", "s_gi"])
 def _smooth_bwd_dq_kernel(
     Q, D, LSE, G, GQ,
     n_q, n_j, lq, ld, dim, n_qblocks, n_split, scale2,

@@ -10,15 +10,28 @@ kernel once, since it is a constexpr; it reuses the tuned config.)
 
 No sweep happens for small launches (few programs: launch-bound, and the unit-test / REPL
 regime) nor under ``TRITON_INTERPRET=1``: those use one fixed config.
+
+Cold start: a sweep compiles every candidate config (about 12 per key, a second or more
+each), which made a fresh process's first training steps take tens of seconds.  So configs
+come first from a per-architecture table committed as data (``configs/sm90.json``, written
+by ``benchmarks/tune_table.py`` from sweeps on that GPU): the exact key, else the same key
+in the nearest size class, else -- on an architecture that has a table -- one default
+config.  Only an architecture without a table is swept, once per key, and Triton persists
+the result on disk (``cache_results``), so later processes do not sweep again.
+``LIK_AUTOTUNE`` changes this (``_config.py``).
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import json
+from importlib import resources
 
 import torch
 import triton
+import triton.language as tl
 
+from ..._config import autotune_mode
 from .backward import maxsim_bwd_doc_kernel
 from .forward import maxsim_fwd_kernel
 
@@ -123,6 +136,9 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
     key = (rows_per_q, qpb, d_pad, bool(save_arg), bool(running_max), docs_per_program, size_class(n_programs),
            dtype)
     config = _chosen.get(key)
+    if config is None:
+        config = _from_table("forward", key, size_at=6,
+                             default=_default_forward(rows_per_q * qpb, block_k, d_pad, dtype))
     if config is not None:
         return maxsim_fwd_kernel, {"BLOCK_K": block_k, **config}, None
 
@@ -131,6 +147,111 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
         _chosen[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
 
     return _tuned_forward, {"BLOCK_K": block_k}, remember
+
+
+def _default_forward(block_m: int, block_k: int, d_pad: int, dtype) -> dict:
+    """The config for a key the table lacks: the table's most common pick for 16-bit
+    ColBERT shapes, with fewer stages where shared memory would not hold them."""
+    elem = (dtype[1] if isinstance(dtype, tuple) else dtype).itemsize
+    block_n = 64 if d_pad <= 256 else 32
+    stages = 3
+    while stages > 1 and _smem_bytes(block_m, block_n, block_k, stages, elem) > _smem_budget() - 8 * 1024:
+        stages -= 1
+    return {"BLOCK_N": block_n, "num_warps": 8 if block_m >= 256 else 4, "num_stages": stages}
+
+
+# ---------------------------------------------------------------- the config table
+TABLE_VERSION = 1
+
+
+def _encode_key(key: tuple) -> str:
+    """A key as a stable string: dtypes by name (``torch.bfloat16`` -> ``bfloat16``)."""
+    def enc(v):
+        if isinstance(v, torch.dtype):
+            return str(v).replace("torch.", "")
+        if isinstance(v, tuple):
+            return [enc(x) for x in v]
+        return v
+    return json.dumps([enc(v) for v in key])
+
+
+def architecture() -> str | None:
+    """``"sm90"`` etc. for the current CUDA device, None without one."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(torch.cuda.current_device())
+    return f"sm{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def _table(arch: str | None) -> dict | None:
+    """``{kernel: {encoded key: config}}`` for ``arch``, or None where none is committed."""
+    if arch is None:
+        return None
+    try:
+        text = resources.files(__package__).joinpath("configs", f"{arch}.json").read_text()
+    except (FileNotFoundError, OSError):
+        return None
+    data = json.loads(text)
+    if data.get("version") != TABLE_VERSION:
+        return None
+    table: dict = {}
+    for entry in data["entries"]:
+        table.setdefault(entry["kernel"], {})[_encode_key(tuple(_decode(v) for v in entry["key"]))] = entry["config"]
+    return table
+
+
+def _decode(v):
+    if isinstance(v, list):
+        return tuple(_decode(x) for x in v)
+    if isinstance(v, str) and hasattr(torch, v) and isinstance(getattr(torch, v), torch.dtype):
+        return getattr(torch, v)
+    return v
+
+
+def _from_table(kernel: str, key: tuple, *, size_at: int | None, default: dict) -> dict | None:
+    """The config for ``key`` without a sweep, remembered in ``_chosen``; None when the
+    autotuner must run (``LIK_AUTOTUNE=1``, or no table for this GPU and sweeps allowed).
+    ``size_at``: position of the size class in the key (the nearest class stands in)."""
+    mode = autotune_mode()
+    if mode == "always":
+        return None
+    table = _table(architecture())
+    config = None
+    if table is not None:
+        rows = table.get(kernel, {})
+        config = rows.get(_encode_key(key))
+        if config is None and size_at is not None:
+            near = [(abs(size_at_class - key[size_at]), cfg) for size_at_class, cfg in _same_but_size(rows, key, size_at)]
+            config = min(near, key=lambda t: t[0])[1] if near else None
+    if config is None:
+        if table is None and mode == "auto":
+            return None
+        config = default
+    _chosen[key] = dict(config)
+    return _chosen[key]
+
+
+def _same_but_size(rows: dict, key: tuple, size_at: int):
+    """(size class, config) of the table rows that equal ``key`` but for the size class."""
+    for other in range(8):
+        if other != key[size_at]:
+            probe = key[:size_at] + (other,) + key[size_at + 1:]
+            cfg = rows.get(_encode_key(probe))
+            if cfg is not None:
+                yield other, cfg
+
+
+def export_table(path: str, arch: str) -> int:
+    """Write every config chosen so far (swept or from a table) to ``path`` as ``arch``'s
+    table; returns the number of entries."""
+    entries = []
+    for key, config in sorted(_chosen.items(), key=lambda kv: _encode_key(kv[0])):
+        kernel = "doc" if key and key[0] == "doc" else "forward"
+        entries.append({"kernel": kernel, "key": json.loads(_encode_key(key)), "config": config})
+    with open(path, "w") as f:
+        json.dump({"version": TABLE_VERSION, "arch": arch, "entries": entries}, f, indent=1)
+    return len(entries)
 
 
 # ---------------------------------------------------------------- lowmem grad_D
@@ -182,6 +303,10 @@ def doc_kernel_and_meta(*, d_pad, n_programs_at_64, cross, f32_dot, normalize, w
     key = ("doc", bool(cross), d_pad, bool(f32_dot), bool(normalize), bool(with_gather), bool(guard_rows),
            bool(compact), dtype)
     config = _chosen.get(key)
+    if config is None:
+        block_t = 64 if d_pad <= 128 else (32 if d_pad <= 256 else 16)
+        config = _from_table("doc", key, size_at=None, default={
+            "BLOCK_T": block_t, "BLOCK_R": 64 if d_pad <= 128 else 32, "num_warps": 4, "num_stages": 2})
     if config is not None:
         return maxsim_bwd_doc_kernel, dict(config), None
 
@@ -190,3 +315,10 @@ def doc_kernel_and_meta(*, d_pad, n_programs_at_64, cross, f32_dot, normalize, w
         _chosen[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
 
     return _tuned_doc, {}, remember
+
+
+@triton.jit(do_not_specialize=["n"])
+def _self_check_kernel(X, OUT, n, scale, BLOCK: tl.constexpr):
+    """``OUT[i] = X[i] * scale`` for ``i < n``: the direct launcher's self-check (direct.py)."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + o, tl.load(X + o, mask=o < n) * scale, mask=o < n)
