@@ -1,0 +1,144 @@
+"""torch.compile and torch.export through the registered op layer (CPU, chunked path and
+the Triton interpreter): fullgraph and default modes, values and gradients equal eager,
+no graph break from our code, and the calls still routed and counted."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lik_plugins as lik
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(seed, *, kd=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    Q = torch.randn(4, 6, 16, generator=g).to(dtype).requires_grad_()
+    shape = (4, 3, 9, 16) if kd else (5, 9, 16)
+    D = torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+    qm = torch.rand(4, 6, generator=g) > 0.3
+    qm[:, 0] = True
+    dm = torch.rand(*shape[:-1], generator=g) > 0.3
+    dm[1] = False  # a fully masked document (kd: every candidate of query 1)
+    return Q, D, qm, dm
+
+
+def _loss_cross(Q, D, qm, dm):
+    s = lik.maxsim(Q, D, qm, dm, normalize=True)
+    return F.cross_entropy(s[:, :4] / 0.05, torch.arange(4))
+
+
+def _loss_kd(Q, D, qm, dm):
+    s = lik.maxsim(Q, D, qm, dm, mask_mode="zero")
+    return F.kl_div(F.log_softmax(s, -1), F.softmax(torch.arange(3.0).expand(4, 3), -1), reduction="batchmean")
+
+
+def _loss_pairs(Q, D, qm, dm):
+    return lik.maxsim_pairs(Q, D[:4], qm, dm[:4]).square().mean()
+
+
+def _loss_smooth(Q, D, qm, dm):
+    return lik.smooth_maxsim(Q, D, tau=0.1).logsumexp(-1).mean()
+
+
+CASES = {"cross": (_loss_cross, False), "kd": (_loss_kd, True), "pairs": (_loss_pairs, False),
+         "smooth": (_loss_smooth, False)}
+
+
+def _run(fn, inputs):
+    Q, D, qm, dm = inputs
+    loss = fn(Q, D, qm, dm)
+    gq, gd = torch.autograd.grad(loss, (Q, D))
+    return loss.detach(), gq, gd
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "default"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["torch-chunked", "triton"])
+def test_compiled_equals_eager(monkeypatch, case, fullgraph, backend):
+    from lik_plugins._config import triton_interpret
+
+    if backend == "triton" and not triton_interpret():
+        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+    monkeypatch.setenv("LIK_BACKEND", backend)
+    fn, kd = CASES[case]
+    inputs = _inputs(hash(case) % 1000, kd=kd)
+    lik.reset_routing_counts()
+    compiled = _run(torch.compile(fn, fullgraph=fullgraph, dynamic=False), inputs)
+    counts = lik.routing_counts()
+    eager = _run(fn, inputs)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the compiled call ran our op, on the path the environment asks for
+    assert any(backend in paths for paths in counts.values()), counts
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_graph_breaks(case):
+    fn, kd = CASES[case]
+    explained = torch._dynamo.explain(fn)(*_inputs(3, kd=kd))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_compiled_fp8_scoring_and_retrieval_shapes():
+    g = torch.Generator().manual_seed(5)
+    Q = torch.randn(3, 5, 16, generator=g)
+    index = lik.quantize_fp8(torch.randn(7, 11, 16, generator=g))
+
+    def score(q, values, scales):
+        return lik.maxsim_fp8(q, lik.Fp8Tokens(values, scales))
+
+    compiled = torch.compile(score, fullgraph=True)(Q, index.values, index.scales)
+    torch.testing.assert_close(compiled, score(Q, index.values, index.scales), rtol=0, atol=0)
+
+
+def test_dynamic_lengths_compile_once():
+    """``dynamic=True``: new lengths run the same graph (the fake kernels are symbolic)."""
+    def f(Q, D):
+        return lik.maxsim(Q, D).sum()
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(f, backend=counter, dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(9)
+    for lq, ld in ((5, 9), (7, 13), (3, 21)):
+        Q, D = torch.randn(2, lq, 16, generator=g), torch.randn(3, ld, 16, generator=g)
+        torch.testing.assert_close(compiled(Q, D), f(Q, D))
+    assert counter.frame_count == 1
+
+
+def test_export_a_module_that_scores():
+    class Reranker(torch.nn.Module):
+        def forward(self, Q, D, d_mask):
+            return lik.maxsim(Q, D, None, d_mask, normalize=True).topk(2, dim=1).indices
+
+    g = torch.Generator().manual_seed(2)
+    Q, D = torch.randn(2, 4, 16, generator=g), torch.randn(6, 8, 16, generator=g)
+    dm = torch.rand(6, 8, generator=g) > 0.2
+    exported = torch.export.export(Reranker(), (Q, D, dm))
+    assert any("lik.maxsim_forward" in str(node.target) for node in exported.graph.nodes)
+    assert torch.equal(exported.module()(Q, D, dm), Reranker()(Q, D, dm))
+
+
+def test_fake_kernels_agree_with_the_real_ops():
+    """The registered ops' own consistency check: schema, fake kernel and real kernel agree
+    (shapes, dtypes, strides, aliasing) on each layout."""
+    from lik_plugins import library
+
+    Q, D, qm, dm = _inputs(11)
+    Qk, Dk, _, dmk = _inputs(12, kd=True)
+    cases = [
+        (library.maxsim_forward.op, (Q, D, qm, dm, library.CROSS, True, False, True, "")),
+        (library.maxsim_forward.op, (Qk, Dk, None, dmk, library.CANDIDATES, False, True, True, "")),
+        (library.maxsim_forward.op, (Q, D[:4], None, None, library.PAIRS, False, False, False, "")),
+        (library.smooth_maxsim_forward.op, (Q, D, 0.1, library.CROSS, "")),
+    ]
+    for op, args in cases:
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
