@@ -318,7 +318,9 @@ def write_reports(out_dir: Path, data: dict) -> None:
              f"- {meta['world_size']} x {meta['device']} ({meta['backend']}); torch {meta['torch']}; "
              f"NCCL_NVLS_ENABLE={meta['nccl_nvls_enable']}",
              "- parity: one step from the same weights; gradient error = ||g - g_vanilla|| / ||g_vanilla|| of the "
-             "all-reduced gradient; 'vanilla again' is the run-to-run noise floor", ""]
+             "all-reduced gradient; 'vanilla again' is the run-to-run noise floor. Both variants train in bf16 and "
+             "round scores and gradients at bf16; an error of a few percent between them is that rounding, and "
+             "either can sit closer to an fp32 step (neither variant here is the exact answer)", ""]
     for name, m in data["models"].items():
         lines += [f"## {name}: {m['shape'].get('model')}", "", f"shape: `{json.dumps(m['shape'])}`", ""]
         p = m.get("parity")
