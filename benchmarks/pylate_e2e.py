@@ -26,31 +26,35 @@ import time
 LQ, LD, VOCAB, PROJ = 32, 300, 50368, 128
 
 
-def build_model(tmp: str):
+def build_model(tmp: str, device: str = "cuda", tiny: bool = False):
+    """A PyLate ColBERT on a random ModernBERT-base (``tiny``: 2 layers of 64, 512-word
+    vocabulary, for CPU smoke runs), bf16, saved to and loaded from ``tmp``."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import ModernBertConfig, ModernBertModel, PreTrainedTokenizerFast
     from pylate import models as pmodels
 
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    n_words = (512 if tiny else VOCAB) - 64
     vocab = {t: i for i, t in enumerate(special + list("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
-                                         + [f"w{i}" for i in range(VOCAB - 64)])}
+                                         + [f"w{i}" for i in range(n_words)])}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
                                   sep_token="[SEP]", mask_token="[MASK]")
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2) if tiny else {}
     config = ModernBertConfig(vocab_size=len(vocab), pad_token_id=0, cls_token_id=2, sep_token_id=3,
-                              bos_token_id=2, eos_token_id=3)  # base: 768 x 22 layers
+                              bos_token_id=2, eos_token_id=3, **sizes)  # base: 768 x 22 layers
     torch.manual_seed(0)
     ModernBertModel(config).save_pretrained(tmp)
     tok.save_pretrained(tmp)
     torch.manual_seed(0)
-    model = pmodels.ColBERT(model_name_or_path=tmp, device="cuda", embedding_size=PROJ, query_length=LQ,
+    model = pmodels.ColBERT(model_name_or_path=tmp, device=device, embedding_size=PROJ, query_length=LQ,
                             document_length=LD)
     return model.to(torch.bfloat16)
 
 
-def features(model, batch: int, seed: int):
+def features(model, batch: int, seed: int, device: str = "cuda", lq: int = LQ, ld: int = LD):
     """Query / positive / negative features shaped like the collator's output."""
     import torch
 
@@ -67,9 +71,9 @@ def features(model, batch: int, seed: int):
             lengths = torch.randint(length // 2, length + 1, (batch,), generator=g)
             mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
             ids = ids.masked_fill(mask == 0, 0)
-        return {"input_ids": ids.cuda(), "attention_mask": mask.cuda()}
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
-    return [make(LQ, False), make(LD, True), make(LD, True)]
+    return [make(lq, False), make(ld, True), make(ld, True)]
 
 
 def train_step(loss, opt, feats):

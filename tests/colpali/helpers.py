@@ -113,8 +113,9 @@ class TinyCollator:
         return out
 
 
-def train_tiny(loss_func, n_neg: int, tmpdir, steps: int = 2, batch: int = 4):
-    """``steps`` ContrastiveTrainer steps (colpali 0.3.18 installed); returns (losses, params)."""
+def train_tiny(loss_func, n_neg: int, tmpdir, steps: int = 2, batch: int = 4, ld: int = 12):
+    """``steps`` ContrastiveTrainer steps (colpali 0.3.18 installed) on pages of ``ld``
+    tokens; returns (losses, params)."""
     import datasets
     from transformers import TrainingArguments
 
@@ -132,7 +133,7 @@ def train_tiny(loss_func, n_neg: int, tmpdir, steps: int = 2, batch: int = 4):
     )
     trainer = ContrastiveTrainer(
         model=model, args=args, train_dataset=datasets.Dataset.from_dict({"idx": list(range(4 * batch))}),
-        eval_dataset=None, data_collator=TinyCollator(n_neg), loss_func=loss_func, is_vision_model=False,
+        eval_dataset=None, data_collator=TinyCollator(n_neg, ld=ld), loss_func=loss_func, is_vision_model=False,
     )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -1,0 +1,454 @@
+"""Multi-GPU training with documents gathered across ranks: vanilla host vs lik_plugins patched.
+
+    torchrun --standalone --nproc_per_node=N benchmarks/multi_gpu.py OUT_DIR [options]
+    python benchmarks/multi_gpu.py OUT_DIR [--nproc N]           # spawns N ranks itself (default: all GPUs)
+    python benchmarks/multi_gpu.py OUT_DIR --device cpu --tiny    # gloo, 2 CPU ranks, tiny configs (smoke)
+
+Two models, random weights from configs (nothing downloaded), bf16:
+
+* ``colbert``: PyLate ``Contrastive(gather_across_devices=True)`` on a ColBERT of
+  ModernColBERT size (ModernBERT-base config, 50k vocabulary, 128-d projection; the
+  builder and inputs of ``pylate_e2e.py``: Lq=32, Ld=300 with padding and punctuation
+  holes, one hard negative), AdamW.
+* ``colqwen2``: colpali-engine's ``ColbertPairwiseCELoss`` on a ColQwen2 of Qwen2-VL-2B size
+  with LoRA and gradient checkpointing (the builder and inputs of ``colpali_e2e.py``: 1036
+  tokens a page, 32-token queries), bf16 autocast, AdamW; the pages are gathered the
+  way colpali's ``ContrastiveTrainer`` does it (left zero padding to the longest page over
+  ranks, ``torch.distributed.nn.all_gather``, ``offset = rank * B``).
+
+Gradients are averaged over ranks after each backward (see ``Workload``).  Per model:
+
+1. parity: one step at a small batch from the same weights -- vanilla, vanilla again (the
+   run-to-run noise floor: bf16 GEMMs, attention backward), patched -- loss on every rank
+   and the relative L2 error of the all-reduced gradient, plus every rank's routing counts;
+2. scaling: per variant, the batch per GPU doubles from ``--start-batch`` until out of
+   memory (caught; every rank agrees before moving on), each size 1 warm-up + ``--steps``
+   timed steps: median step time (slowest rank), peak memory (largest rank), largest batch
+   that fit.
+
+Vanilla = host unpatched with ``PYLATE_SCORES_BACKEND=torch`` / ``COLPALI_SCORES_BACKEND=torch``
+(their own einsum path); patched = ``patch_pylate()`` / ``patch_colpali_engine()``, variables
+unset.  NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``).  Rank 0 writes
+``multi_gpu.json`` and ``multi_gpu.md`` into OUT_DIR after every measurement, so a run cut
+short keeps what it measured.  A collective that never completes (e.g. one rank out of
+memory while another is not) times out after ``--collective-timeout-s`` seconds.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, before any communicator exists
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # this checkout's lik_plugins; the sibling benchmarks
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import lik_plugins  # noqa: E402
+
+VARIANTS = ("vanilla", "patched")
+HOST_ENV = {"colbert": "PYLATE_SCORES_BACKEND", "colqwen2": "COLPALI_SCORES_BACKEND"}
+
+
+# --------------------------------------------------------------------------- launch
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawned(local_rank: int, world_size: int, port: int, args) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    worker(args)
+
+
+def init_distributed(args) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["WORLD_SIZE"])))
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.collective_timeout_s))
+    return device
+
+
+# --------------------------------------------------------------------------- variants
+def set_variant(model_name: str, variant: str) -> None:
+    """Vanilla: host unpatched on its own torch path; patched: our patch, selector unset."""
+    var = HOST_ENV[model_name]
+    os.environ.pop(var, None)
+    os.environ.pop("LIK_DISABLE", None)
+    if model_name == "colbert":
+        patch, unpatch = lik_plugins.patch_pylate, lik_plugins.unpatch_pylate
+    else:
+        patch, unpatch = lik_plugins.patch_colpali_engine, lik_plugins.unpatch_colpali_engine
+    unpatch()
+    if variant == "vanilla":
+        os.environ[var] = "torch"
+    else:
+        patch()
+
+
+# --------------------------------------------------------------------------- models
+class Workload:
+    """One model on this rank: ``step(batch, seed)`` runs forward, loss, backward, the
+    gradient average over ranks and the optimiser step, and returns the loss; ``reset()``
+    restores the initial trainable weights and a fresh optimiser.
+
+    The gradients are averaged with one all-reduce per tensor after the backward -- the
+    arithmetic of DDP without its overlap with the backward.  Not DDP itself: a backward cut
+    short by an out-of-memory error would leave DDP's reducer mid-iteration, and the
+    doubling search must carry on with the next variant in the same process."""
+
+    def __init__(self, trainable, make_loss_fn, lr):
+        self.trainable, self.make_loss_fn, self.lr = trainable, make_loss_fn, lr
+        self.initial = {n: p.detach().clone() for n, p in trainable}
+        self.reset()
+
+    def reset(self):
+        with torch.no_grad():
+            for n, p in self.trainable:
+                p.copy_(self.initial[n])
+                p.grad = None
+        self.opt = torch.optim.AdamW([p for _, p in self.trainable], lr=self.lr, weight_decay=0.0)
+
+    def step(self, batch: int, seed: int):
+        self.opt.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)  # the same dropout masks (ColQwen2's LoRA) for every variant
+        loss = self.make_loss_fn(batch, seed)
+        loss.backward()
+        world = dist.get_world_size()
+        if world > 1:
+            grads = [p.grad for _, p in self.trainable if p.grad is not None]
+            for work in [dist.all_reduce(g, async_op=True) for g in grads]:
+                work.wait()
+            for g in grads:
+                g.div_(world)
+        self.opt.step()
+        return loss.detach().float()
+
+    def flat_grad(self) -> torch.Tensor:
+        return torch.cat([p.grad.detach().float().flatten() for _, p in self.trainable if p.grad is not None])
+
+
+def colbert_workload(args, device) -> tuple[Workload, dict]:
+    import pylate_e2e
+    from pylate import losses
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = pylate_e2e.build_model(tmp, device=str(device), tiny=args.tiny)
+    model.train()
+    loss = losses.Contrastive(model=model, gather_across_devices=True)
+    lq, ld = (16, 48) if args.tiny else (pylate_e2e.LQ, pylate_e2e.LD)
+
+    def loss_fn(batch, seed):
+        return loss(pylate_e2e.features(model, batch, seed, device=str(device), lq=lq, ld=ld), None)
+
+    shape = {"Lq": lq, "Ld": ld, "docs_per_query": 2, "model": "ModernBERT-base ColBERT" + (" (tiny)" if args.tiny else "")}
+    return Workload([(n, p) for n, p in model.named_parameters() if p.requires_grad], loss_fn, 1e-5), shape
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient.  On gloo, torch 2.13's
+    backward of ``torch.distributed.nn.all_gather`` receives each rank's slice into
+    ``empty_like(grad)``, which keeps a permuted gradient's strides while gloo writes
+    contiguous bytes: colpali's einsum gradient arrives scrambled.  NCCL (a reduce-scatter
+    into a contiguous buffer) is not affected; the CPU smoke run needs this to compare
+    anything."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def gather_pages(d: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """colpali's ContrastiveTrainer with several processes: pages left-padded with zero
+    tokens to the longest over ranks, all-gathered with gradients; ``offset = rank * B``."""
+    from torch.distributed.nn import all_gather
+
+    longest = torch.tensor([d.size(1)], device=d.device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    if int(longest) > d.size(1):
+        d = torch.nn.functional.pad(d, (0, 0, int(longest) - d.size(1), 0))
+    pages = torch.cat(all_gather(d), dim=0)
+    if dist.get_backend() == "gloo":
+        pages = _ContiguousGrad.apply(pages)
+    return pages, dist.get_rank() * d.size(0)
+
+
+def colqwen2_workload(args, device) -> tuple[Workload, dict]:
+    import colpali_e2e
+    from colpali_engine.loss import ColbertPairwiseCELoss
+
+    spec = colpali_e2e.TINY if args.tiny else colpali_e2e.FULL
+    peft_model, base, config = colpali_e2e.build_model(spec, device, args.attn)
+    head = ColbertPairwiseCELoss()
+    page_tokens = {}
+
+    def loss_fn(batch, seed):
+        query, doc, page_tokens["Ld"] = colpali_e2e.make_inputs(spec, config, batch, device, seed)
+        base.rope_deltas = None  # Qwen2VLModel caches these across calls; start every step alike
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            q = peft_model(**query)
+            d = peft_model(**doc)
+            pages, offset = gather_pages(d)
+            return head(query_embeddings=q, doc_embeddings=pages, offset=offset)
+
+    trainable = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+    shape = {"Lq": spec["lq"], "Ld": "1036 (page tokens)" if not args.tiny else "tiny", "docs_per_query": 1,
+             "model": "ColQwen2 (Qwen2-VL-2B size, LoRA r=32)" + (" (tiny)" if args.tiny else "")}
+    return Workload(trainable, loss_fn, 5e-5), shape
+
+
+WORKLOADS = {"colbert": colbert_workload, "colqwen2": colqwen2_workload}
+
+
+# --------------------------------------------------------------------------- measurements
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gather_objects(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def parity(model_name, work: Workload, batch: int, seed: int) -> dict:
+    """Same weights, same inputs: vanilla, vanilla again, patched; loss per rank and the
+    relative L2 error of the (all-reduced, rank-identical) gradient."""
+    runs = {}
+    for label, variant in (("vanilla", "vanilla"), ("vanilla_again", "vanilla"), ("patched", "patched")):
+        set_variant(model_name, variant)
+        lik_plugins.reset_routing_counts()
+        work.reset()
+        loss = work.step(batch, seed)
+        runs[label] = (float(loss), work.flat_grad().cpu(), lik_plugins.routing_counts())
+    set_variant(model_name, "vanilla")
+    work.reset()
+    ref = runs["vanilla"][1]
+
+    def rel(g):
+        return float((g - ref).norm() / ref.norm().clamp_min(1e-30))
+
+    local = {
+        "loss": {k: v[0] for k, v in runs.items()},
+        "grad_rel_err_patched": rel(runs["patched"][1]),
+        "grad_rel_err_vanilla_again": rel(runs["vanilla_again"][1]),
+        "routing_patched": runs["patched"][2],
+        "routing_vanilla": runs["vanilla"][2],
+    }
+    every = gather_objects(local)
+    return {"batch_per_rank": batch, "ranks": every}
+
+
+def timed_trial(model_name, variant, work: Workload, batch: int, steps: int, device, seed: int) -> dict:
+    set_variant(model_name, variant)
+    lik_plugins.reset_routing_counts()
+    work.reset()
+    row = {"variant": variant, "batch_per_rank": batch}
+    oom = None
+    try:
+        work.step(batch, seed)  # warm-up (compilation, autotuning, allocator)
+        sync(device)
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for i in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            work.step(batch, seed + 1 + i)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        row["step_ms"] = 1e3 * statistics.median(times)
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    except torch.cuda.OutOfMemoryError as exc:
+        oom = str(exc).splitlines()[0][:200]
+    work.opt.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    row["routing"] = lik_plugins.routing_counts()
+    flag = torch.tensor([1 if oom else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank agrees: out of memory anywhere ends the series
+    every = gather_objects(row)
+    merged = {"variant": variant, "batch_per_rank": batch, "status": "oom" if int(flag) else "ok",
+              "routing_rank0": every[0]["routing"]}
+    if not int(flag):
+        merged["step_ms"] = max(r["step_ms"] for r in every)  # the slowest rank sets the pace
+        peaks = [r["peak_gib"] for r in every if r["peak_gib"] is not None]
+        merged["peak_gib"] = max(peaks) if peaks else None
+    elif oom:
+        merged["error"] = oom
+    return merged
+
+
+# --------------------------------------------------------------------------- report
+def write_reports(out_dir: Path, data: dict) -> None:
+    (out_dir / "multi_gpu.json").write_text(json.dumps(data, indent=1, default=str))
+    meta = data["meta"]
+    lines = ["# Multi-GPU training with gathered documents: vanilla vs lik_plugins", "",
+             f"- command: `{meta['command']}`",
+             f"- {meta['world_size']} x {meta['device']} ({meta['backend']}); torch {meta['torch']}; "
+             f"NCCL_NVLS_ENABLE={meta['nccl_nvls_enable']}",
+             "- parity: one step from the same weights; gradient error = ||g - g_vanilla|| / ||g_vanilla|| of the "
+             "all-reduced gradient; 'vanilla again' is the run-to-run noise floor. Both variants train in bf16 and "
+             "round scores and gradients at bf16; an error of a few percent between them is that rounding, and "
+             "either can sit closer to an fp32 step (neither variant here is the exact answer)", ""]
+    for name, m in data["models"].items():
+        lines += [f"## {name}: {m['shape'].get('model')}", "", f"shape: `{json.dumps(m['shape'])}`", ""]
+        p = m.get("parity")
+        if p:
+            lines += [f"Parity at batch {p['batch_per_rank']} per rank:", "",
+                      "| rank | loss vanilla | loss vanilla again | loss patched | grad err patched | grad err vanilla again | patched routing |",
+                      "|---:|---:|---:|---:|---:|---:|---|"]
+            for r, x in enumerate(p["ranks"]):
+                routing = {k: v for k, v in x["routing_patched"].items() if "." in k}
+                lines.append(f"| {r} | {x['loss']['vanilla']:.6f} | {x['loss']['vanilla_again']:.6f} | "
+                             f"{x['loss']['patched']:.6f} | {x['grad_rel_err_patched']:.2e} | "
+                             f"{x['grad_rel_err_vanilla_again']:.2e} | `{json.dumps(routing)}` |")
+            lines.append("")
+        rows = m.get("scaling", [])
+        if rows:
+            by = {(r["variant"], r["batch_per_rank"]): r for r in rows}
+            lines += ["| batch / GPU | vanilla ms | patched ms | speed-up | vanilla peak GiB | patched peak GiB |",
+                      "|---:|---:|---:|---:|---:|---:|"]
+
+            def cell(r, key, fmt):
+                if not r:
+                    return "-"
+                if r["status"] != "ok":
+                    return r["status"].upper()
+                return "-" if r.get(key) is None else format(r[key], fmt)
+
+            for b in sorted({r["batch_per_rank"] for r in rows}):
+                v, q = by.get(("vanilla", b)), by.get(("patched", b))
+                speed = (f"{v['step_ms'] / q['step_ms']:.2f}x" if v and q and v["status"] == q["status"] == "ok" else "-")
+                lines.append(f"| {b} | {cell(v, 'step_ms', '.1f')} | {cell(q, 'step_ms', '.1f')} | {speed} | "
+                             f"{cell(v, 'peak_gib', '.2f')} | {cell(q, 'peak_gib', '.2f')} |")
+            largest = m.get("largest_batch_per_rank", {})
+            lines += ["", f"Largest batch per GPU that fit: vanilla {largest.get('vanilla')}, "
+                          f"patched {largest.get('patched')} (doubling stopped by: "
+                          f"{m.get('stop', {})})", ""]
+    (out_dir / "multi_gpu.md").write_text("\n".join(lines) + "\n")
+
+
+# --------------------------------------------------------------------------- main
+def worker(args) -> None:
+    device = init_distributed(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out_dir = Path(args.out_dir)
+    start = time.time()
+    data = {"meta": {
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "world_size": world,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        "backend": dist.get_backend(), "torch": torch.__version__,
+        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "tiny": args.tiny,
+    }, "models": {}}
+
+    def save():
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_reports(out_dir, data)
+
+    for name in args.models.split(","):
+        seed = 1000 * rank  # different data on every rank
+        t0 = time.time()
+        work, shape = WORKLOADS[name](args, device)
+        m = data["models"][name] = {"shape": shape, "build_s": time.time() - t0, "scaling": []}
+        m["parity"] = parity(name, work, args.parity_batch, seed)
+        save()
+        deadline = start + args.budget_s * (list(WORKLOADS).index(name) + 1) / len(args.models.split(","))
+        largest, stop = {}, {}
+        for variant in VARIANTS:
+            batch = args.start_batch
+            while True:
+                if batch > args.max_batch:
+                    stop[variant] = f"--max-batch {args.max_batch}"
+                    break
+                if time.time() > deadline:
+                    stop[variant] = "time budget"
+                    break
+                row = timed_trial(name, variant, work, batch, args.steps, device, seed)
+                m["scaling"].append(row)
+                save()
+                if rank == 0:
+                    print(f"[{name}] {variant:8s} batch/GPU {batch:5d}: {row['status']} "
+                          f"{row.get('step_ms', float('nan')):9.1f} ms  peak {row.get('peak_gib')}", flush=True)
+                if row["status"] != "ok":
+                    stop[variant] = "out of memory"
+                    break
+                largest[variant] = batch
+                batch *= 2
+        m["largest_batch_per_rank"], m["stop"] = largest, stop
+        set_variant(name, "vanilla")
+        os.environ.pop(HOST_ENV[name], None)
+        del work
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        save()
+    data["meta"]["total_s"] = time.time() - start
+    save()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny configs and short sequences (CPU smoke test)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to spawn when not under torchrun (default: all GPUs; 2 on CPU)")
+    p.add_argument("--models", default="colbert,colqwen2")
+    p.add_argument("--parity-batch", type=int, default=None, help="batch per rank of the parity step "
+                   "(default 16 colbert-size runs, 4 with --tiny)")
+    p.add_argument("--start-batch", type=int, default=None, help="default 8 (4 with --tiny)")
+    p.add_argument("--max-batch", type=int, default=None, help="default 4096 (8 with --tiny)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per batch size, after 1 warm-up")
+    p.add_argument("--budget-s", type=float, default=480, help="wall-clock budget, split evenly over the models")
+    p.add_argument("--attn", default="sdpa", help="ColQwen2 attn_implementation")
+    p.add_argument("--collective-timeout-s", type=float, default=300)
+    args = p.parse_args(argv)
+    args.parity_batch = args.parity_batch or (4 if args.tiny else 16)
+    args.start_batch = args.start_batch or (4 if args.tiny else 8)
+    args.max_batch = args.max_batch or (8 if args.tiny else 4096)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device; use --device cpu --tiny for the gloo smoke run")
+    if "RANK" in os.environ:  # torchrun (or any launcher that sets the env:// variables)
+        worker(args)
+        return 0
+    nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    torch.multiprocessing.spawn(_spawned, args=(nproc, free_port(), args), nprocs=nproc, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
