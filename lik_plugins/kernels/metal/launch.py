@@ -297,13 +297,13 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     argmax = torch.full((nq, nj, lq), _NO_WINNER, dtype=torch.int32, device=device) if save_argmax else None
     if nq == 0 or nj == 0 or lq == 0 or ld == 0:
         return scores, argmax   # nothing to win: every row contributes 0
+    u8 = torch.empty(1, dtype=torch.uint8, device=device)
+    qm = _mask_bytes(q_mask, (nq, lq), u8)
+    dm = _mask_bytes(d_mask, tuple(D.shape[:-1]), u8)
     lib = library(Q.dtype)
     Q, D = Q.contiguous(), D.contiguous()
     f32 = torch.empty(1, dtype=torch.float32, device=device)
-    u8 = torch.empty(1, dtype=torch.uint8, device=device)
     i32 = torch.empty(1, dtype=torch.int32, device=device)
-    qm = _mask_bytes(q_mask, (nq, lq), u8)
-    dm = _mask_bytes(d_mask, tuple(D.shape[:-1]), u8)
     q_inv = _inverse_norms(lib, Q) if normalize else f32
     d_inv = _inverse_norms(lib, D) if normalize else f32
     threads, group = query_grid(nq, lq, nj, cross)
