@@ -7,6 +7,9 @@ Every registered op (``lik_plugins.library``) asks :func:`served_by` for a path 
 * ``"triton"``: CUDA tensors on compute capability 8.0+ (fp8 scoring: 8.9+), or CPU tensors
   under ``TRITON_INTERPRET=1`` when ``LIK_BACKEND=triton`` asks for the kernels (this is how
   CI runs them);
+* ``"metal"``: MPS tensors (Apple GPUs) where the Metal kernels compile
+  (``kernels/metal``); a compile failure or a device fault warns once, naming the reason,
+  and the chunked path serves that dtype from then on;
 * ``"torch-chunked"``: the bounded-memory PyTorch path, everywhere else;
 * ``"reference"``: ``LIK_DISABLE=1`` or ``LIK_BACKEND=reference`` -- the public ops run the
   plain formulation (:mod:`lik_plugins.kernels.reference`) themselves.
@@ -81,6 +84,8 @@ def served_by(t: torch.Tensor, op: str = "maxsim") -> str:
         return "triton"
     if forced in ("torch-chunked", "reference"):
         return forced
+    if t.device.type == "mps":
+        return "metal" if op != "fp8" and _metal_serves(t) else "torch-chunked"
     if op == "fp8":
         # the interpreter runs fp8 products too (CI covers the kernel without LIK_BACKEND)
         ok = _triton_serves(t, op)[0] and (t.is_cuda or triton_interpret())
@@ -92,13 +97,39 @@ def served_by(t: torch.Tensor, op: str = "maxsim") -> str:
     return "torch-chunked"
 
 
+def _metal_serves(t: torch.Tensor) -> bool:
+    from .metal import launch as metal
+
+    return metal.serves(t)[0] and metal.compile_or_reason(t.dtype) is None
+
+
+def _metal_implementation():
+    """The Metal launchers, each guarded: a compile failure or device fault falls back to
+    the chunked path once and for all for that dtype, with a warning (metal.guarded)."""
+    from types import SimpleNamespace
+
+    from . import chunked
+    from .metal import launch as metal
+
+    def guard(name: str, dtype_arg: int):
+        def call(*args, **kwargs):
+            return metal.guarded(args[dtype_arg].dtype, lambda: getattr(metal, name)(*args, **kwargs),
+                                 lambda: getattr(chunked, name)(*args, **kwargs))
+        call.__name__ = name
+        return call
+
+    launchers = SimpleNamespace(forward=guard("forward", 0), backward=guard("backward", 1),
+                                smooth_forward=guard("smooth_forward", 0), smooth_backward=guard("smooth_backward", 0))
+    return Implementation(launchers, launchers)
+
+
 class Implementation(NamedTuple):
     """The launcher modules of one path, with the same signatures on every path (see
     chunked.py): ``maxsim.forward`` / ``maxsim.backward`` and ``smooth.smooth_forward`` /
     ``smooth.smooth_backward``.  Modules, not functions: attributes are looked up per
     call, so a test can wrap one."""
-    maxsim: ModuleType
-    smooth: ModuleType
+    maxsim: ModuleType | object
+    smooth: ModuleType | object
 
 
 _IMPLEMENTATIONS: dict = {}
@@ -118,6 +149,8 @@ def implementation(path: str) -> Implementation:
         from . import chunked
 
         impl = Implementation(chunked, chunked)
+    elif path == "metal":
+        impl = _metal_implementation()
     else:
         raise ValueError(f"no launcher for path {path!r}")
     _IMPLEMENTATIONS[path] = impl

@@ -144,16 +144,16 @@ def test_launchers_on_the_emulator_match_chunked(compiler):
         scores, argmax = launch.forward(Q, D, q_mask, d_mask, save_argmax=True, **kw)
         gq, gd = launch.backward(grad, Q, D, argmax.long(), cross=False, normalize=True, need_q=False, need_d=True)
     want, want_arg = chunked.forward(Q, D, q_mask.bool(), d_mask, save_argmax=True, **kw)
-    assert argmax.dtype == torch.int32 and torch.equal(argmax.long(), want_arg)
+    assert argmax.dtype == want_arg.dtype == torch.int16 and torch.equal(argmax, want_arg)   # one dtype on every path
     assert torch.allclose(scores, want, atol=1e-5)
     assert torch.allclose(scores, reference.maxsim(Q, D, q_mask, d_mask, normalize=True, mask_mode="zero"), atol=1e-5)
-    # the int32 argmax is what a fallback to chunked.backward receives after a Metal forward
+    # the argmax is what a fallback to chunked.backward receives after a Metal forward
     _, want_gd = chunked.backward(grad, Q, D, argmax, cross=False, normalize=True, need_q=False, need_d=True)
     assert gq is None and gd.dtype == D.dtype and torch.allclose(gd, want_gd, atol=1e-5)
 
 
 def test_smooth_backward_wide_embeddings_use_the_chunked_path():
-    from lik_plugins.kernels.smoothmax import smooth_maxsim_reference
+    from lik_plugins.kernels.reference import smooth_maxsim as smooth_maxsim_reference
 
     g = torch.Generator().manual_seed(4)
     Q, D = torch.randn(2, 3, 130, generator=g, dtype=torch.float64), torch.randn(2, 5, 130, generator=g, dtype=torch.float64)
@@ -170,3 +170,32 @@ def test_smooth_backward_wide_embeddings_use_the_chunked_path():
     with launch.using_compiler(no_compiler):
         gq, gd = launch.smooth_backward(Q.detach().float(), D.detach().float(), lse.float(), grad.float(), 0.3, True, True, True)
     assert torch.allclose(gq.double(), want_gq, atol=1e-3) and torch.allclose(gd.double(), want_gd, atol=1e-3)
+
+
+def test_the_dispatcher_serves_metal_through_the_guarded_launchers(compiler, clean_failures, monkeypatch):
+    """The one dispatcher's "metal" implementation: the emulated kernels through the same
+    guarded launchers MPS tensors get (scores, winners and gradients as the chunked path),
+    and a device fault falls back to the chunked path with a warning."""
+    from lik_plugins.kernels import dispatch
+
+    impl = dispatch.implementation("metal")
+    g = torch.Generator().manual_seed(6)
+    Q, D = torch.randn(2, 5, 12, generator=g), torch.randn(4, 7, 12, generator=g)
+    d_mask = torch.rand(4, 7, generator=g) > 0.3
+    kw = dict(cross=True, normalize=False, zero_mode=False, save_argmax=True)
+    want, want_arg = chunked.forward(Q, D, None, d_mask, **kw)
+    with launch.using_compiler(emulate.EmulatedLibrary):
+        scores, argmax = impl.maxsim.forward(Q, D, None, d_mask, **kw)
+        grads = impl.maxsim.backward(torch.ones(2, 4), Q, D, argmax, cross=True, normalize=False, need_q=True,
+                                     need_d=True, strategy="auto")
+    assert torch.allclose(scores, want, atol=1e-5) and torch.equal(argmax, want_arg)
+    for got, ref in zip(grads, chunked.backward(torch.ones(2, 4), Q, D, want_arg, cross=True, normalize=False,
+                                                need_q=True, need_d=True)):
+        assert torch.allclose(got, ref, atol=1e-5)
+
+    def faulting(source):
+        raise RuntimeError("command buffer faulted")
+
+    with launch.using_compiler(faulting), pytest.warns(RuntimeWarning, match="faulted"):
+        scores, _ = impl.maxsim.forward(Q, D, None, d_mask, **kw)
+    assert torch.allclose(scores, want, atol=1e-5)

@@ -133,7 +133,7 @@ def check_maxsim(case: Case, dtype: torch.dtype, device="cpu") -> dict[str, floa
 
 def check_smooth(case: Case, dtype: torch.dtype, device="cpu") -> dict[str, float]:
     """Errors of ``launch.smooth_forward`` / ``smooth_backward`` on ``device`` for ``case``."""
-    from ..smoothmax import smooth_maxsim_reference
+    from ..reference import smooth_maxsim as smooth_maxsim_reference
 
     Q, D, _, _, grad = make_inputs(case, dtype)
     cross = case.layout == "cross"

@@ -12,8 +12,9 @@ in tests.
 
 Differences from the chunked path a caller should know:
 
-* the argmax is **int32** ``[Nq, NJ, Lq]`` (``-1`` = no winner), not int64; ``backward``
-  accepts either;
+* the kernel writes an int32 argmax ``[Nq, NJ, Lq]`` (``-1`` = no winner); ``forward``
+  returns it in the dtype every path shares (:func:`~lik_plugins.kernels.common.argmax_dtype`)
+  and ``backward`` accepts any integer dtype;
 * ``strategy`` is ignored: the one backward is destination-owned and deterministic;
 * ``smooth_backward`` serves embeddings up to :data:`SMOOTH_MAX_DIM`; wider ones are
   computed by the chunked smooth-max backward on the same device.
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ..common import argmax_dtype
 
 SHADER_DIR = Path(__file__).with_name("shaders")
 SHADER_FILES = ("maxsim.metal", "smoothmax.metal")   # concatenated in this order
@@ -296,7 +299,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     scores = torch.zeros((nq, nj), dtype=torch.float32, device=device)
     argmax = torch.full((nq, nj, lq), _NO_WINNER, dtype=torch.int32, device=device) if save_argmax else None
     if nq == 0 or nj == 0 or lq == 0 or ld == 0:
-        return scores, argmax   # nothing to win: every row contributes 0
+        return scores, (argmax.to(argmax_dtype(ld)) if argmax is not None else None)   # nothing to win
     u8 = torch.empty(1, dtype=torch.uint8, device=device)
     qm = _mask_bytes(q_mask, (nq, lq), u8)
     dm = _mask_bytes(d_mask, tuple(D.shape[:-1]), u8)
@@ -315,7 +318,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
         1.0,
         threads=threads, group_size=group,
     )
-    return scores, argmax
+    return scores, (argmax.to(argmax_dtype(ld)) if argmax is not None else None)
 
 
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="lowmem", q_masked=True):
@@ -392,9 +395,9 @@ def smooth_backward(Q, D, lse, grad, tau, cross, need_q, need_d):
     _check_inputs(Q, D, cross)
     nq, lq, nj, ld, dim = _shape(Q, D, cross)
     if dim > SMOOTH_MAX_DIM:
-        from ..smoothmax import _chunked_backward
+        from ..chunked import smooth_backward as chunked_smooth_backward
 
-        return _chunked_backward(Q, D, lse, grad, tau, cross, need_q, need_d)
+        return chunked_smooth_backward(Q, D, lse, grad, tau, cross, need_q, need_d)
     device = Q.device
     gq = torch.zeros(Q.shape, dtype=torch.float32, device=device) if need_q else None
     gd = torch.zeros(D.shape, dtype=torch.float32, device=device) if need_d else None
