@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|fidelity|parity|e2e|hosts|all] [bench_kernels.py options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|realloop|fidelity|parity|e2e|hosts|all] [options]
+# tune = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
+#   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e.
 # A cold machine compiles every specialisation: the suite took ~9 minutes in one process, so
 # `tests` runs it as GPU_TEST_SHARDS (default 3) parallel pytest shards; with a 10-minute
@@ -25,6 +27,12 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
+# hosts: PyLate 1.6.0 / colpali-engine 0.3.18 with the transformers / sentence-transformers they pin
+host_env() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hosts .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/hosts:$PWD HF_HUB_OFFLINE=1
+}
+
 if [[ $stage == tests || $stage == kernels || $stage == all ]]; then
   # shards in parallel: compilation (CPU) is most of a cold suite, and the shards share
   # Triton's on-disk cache; one log per shard, their summary lines at the end
@@ -45,6 +53,15 @@ if [[ $stage == bench || $stage == kernels || $stage == all ]]; then
   python3 benchmarks/bench_kernels.py "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^\[bench\]' | tail -30
 fi
 
+if [[ $stage == tune ]]; then
+  arch=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm{m}{n}')")
+  LIK_AUTOTUNE=1 timeout 560 python3 benchmarks/tune_table.py "$OUT/$arch.json" 2>&1 | tail -25
+fi
+if [[ $stage == realloop ]]; then
+  host_env
+  python3 benchmarks/real_loop.py "$OUT" "$@" 2>&1 | tail -60
+fi
+
 if [[ $stage == fidelity || $stage == all ]]; then
   if [[ -f benchmarks/data/fidelity_embeddings.pt ]]; then
     timeout 120 python3 recipes/fp8_fidelity.py --embeddings benchmarks/data/fidelity_embeddings.pt \
@@ -54,11 +71,6 @@ if [[ $stage == fidelity || $stage == all ]]; then
   fi
 fi
 
-# hosts: PyLate 1.6.0 / colpali-engine 0.3.18 with the transformers / sentence-transformers they pin
-host_env() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hosts .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/hosts:$PWD HF_HUB_OFFLINE=1
-}
 if [[ $stage == parity || $stage == hosts || $stage == all ]]; then
   host_env
   timeout 150 python3 tests/pylate/gpu_parity.py "$OUT/pylate_gpu_parity.json" 2>&1 | tail -12

@@ -1,0 +1,257 @@
+"""The loops users run, from a cold start: first step, first 10 steps, steady steps.
+
+    python benchmarks/real_loop.py OUT_DIR [--loops fixed,vary-colbert,vary-colpali,pylate] [--impls ...]
+                                           [--steps 80] [--compile] [--warm]
+
+Every (loop, implementation, compile) cell runs in a fresh Python process with an empty
+``TRITON_CACHE_DIR``, so its first steps pay everything a new node pays: imports, Triton
+compiles, autotuning.  ``--warm`` runs each cell a second time in another fresh process on
+the same (now filled) cache directory: what a second job on the same node pays.
+
+Loops (bf16, d = 128, in-batch cross entropy over ``maxsim(Q, D, None, d_mask)``, AdamW-free:
+the kernels are what is measured; ``pylate`` is the real training loop):
+
+* ``fixed``        B = 64, Lq = 32, Ld = 300 every step;
+* ``vary-colbert`` B = 64, Lq drawn in 8-32 and Ld in 60-300 every step (documents vary in
+  sentence-transformers, evaluators and reranking);
+* ``vary-colpali`` B = 32, Lq drawn in 8-32, Ld = 1030 (queries vary in colpali-engine);
+* ``pylate``       PyLate ``Contrastive`` with one hard negative on a random ModernBERT-size
+  ColBERT (``pylate_e2e.build_model``), AdamW, bf16, batch 128 -- ``lik_plugins`` is
+  ``patch_pylate()``, the peers are PyLate's own ``PYLATE_SCORES_BACKEND`` choices.
+
+Implementations: ``lik_plugins``, ``late-interaction-kernels``, ``flash-maxsim``, ``torch``
+(eager einsum).  Per cell: first step, first 10 steps (sum), steady median / max after
+step 10 and the count of steps above 20x the median.  Writes ``real_loop.json`` (long
+format) and ``real_loop.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+LOOPS = ("fixed", "vary-colbert", "vary-colpali", "pylate")
+IMPLS = ("lik_plugins", "late-interaction-kernels", "flash-maxsim", "torch")
+
+
+# ----------------------------------------------------------------------------- one cell
+def _scorer(impl: str):
+    """``score(Q, D, d_mask) -> [Nq, Nd]`` of an implementation (imports included in the
+    first step's time: they are part of what a cold process pays)."""
+    import torch
+
+    if impl == "lik_plugins":
+        import lik_plugins as lik
+
+        return lambda Q, D, dm: lik.maxsim(Q, D, None, dm)
+    if impl == "late-interaction-kernels":
+        import late_interaction_kernels as m
+
+        return lambda Q, D, dm: m.maxsim(Q, D, None, dm)
+    if impl == "flash-maxsim":
+        import flash_maxsim as m
+
+        # flash-maxsim takes no document mask: padded tokens are zeroed (a zero token scores
+        # 0, which a masked token would not) -- the same work, close to the same numbers
+        return lambda Q, D, dm: m.flash_maxsim_batched_train(Q, D * dm.unsqueeze(-1), shared_docs=True)
+    if impl == "torch":
+        def eager(Q, D, dm):
+            sim = torch.einsum("ash,bth->abst", Q, D)
+            sim = sim.masked_fill(~dm[None, :, None, :], float("-inf"))
+            return sim.amax(-1).clamp_min(-1e4).sum(-1).float()
+        return eager
+    raise ValueError(impl)
+
+
+def _kernel_loop(args) -> list[float]:
+    import torch
+    import torch.nn.functional as F
+
+    score = _scorer(args.impl)
+    g = torch.Generator().manual_seed(0)
+    batch = 32 if args.loop == "vary-colpali" else 64
+
+    def lengths():
+        if args.loop == "fixed":
+            return 32, 300
+        lq = int(torch.randint(8, 33, (1,), generator=g))
+        return lq, (1030 if args.loop == "vary-colpali" else int(torch.randint(60, 301, (1,), generator=g)))
+
+    def step(Q, D, dm):
+        s = score(Q, D, dm)
+        loss = F.cross_entropy(s / 0.05, torch.arange(s.shape[0], device=s.device))
+        loss.backward()
+        return loss
+
+    if args.compile:
+        step = torch.compile(step)
+    times = []
+    for _ in range(args.steps):
+        lq, ld = lengths()
+        Q = torch.nn.functional.normalize(torch.randn(batch, lq, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
+        D = torch.nn.functional.normalize(torch.randn(batch, ld, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
+        dm = (torch.arange(ld)[None, :] < torch.randint(ld // 2, ld + 1, (batch, 1), generator=g)).to("cuda")
+        Q.requires_grad_()
+        D.requires_grad_()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(Q, D, dm)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _pylate_loop(args) -> list[float]:
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import pylate_e2e
+
+    if args.impl == "lik_plugins":
+        import lik_plugins
+
+        lik_plugins.patch_pylate()
+    else:
+        os.environ["PYLATE_SCORES_BACKEND"] = {"late-interaction-kernels": "lik", "flash-maxsim": "flash",
+                                               "torch": "torch"}[args.impl]
+    from pylate import losses
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = pylate_e2e.build_model(tmp)
+    loss = losses.Contrastive(model=model)
+    if args.compile:
+        model[0].auto_model = torch.compile(model[0].auto_model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times = []
+    for i in range(args.steps):
+        feats = pylate_e2e.features(model, 128, seed=i)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pylate_e2e.train_step(loss, opt, feats)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_cell(args) -> dict:
+    t_start = time.perf_counter()
+    times = _pylate_loop(args) if args.loop == "pylate" else _kernel_loop(args)
+    steady = times[10:] or times
+    median = statistics.median(steady)
+    row = dict(loop=args.loop, impl=args.impl, compile=bool(args.compile), cache=args.cache,
+               first_step_s=times[0], first10_s=sum(times[:10]), steady_median_ms=median * 1e3,
+               steady_max_ms=max(steady) * 1e3, spikes_over_20x=sum(t > 20 * median for t in steady),
+               steps=len(times), cell_wall_s=time.perf_counter() - t_start)
+    if args.impl == "lik_plugins":
+        from lik_plugins.kernels.triton import direct
+
+        row["variants"] = direct.variants()
+    return row
+
+
+# ----------------------------------------------------------------------------- driver
+def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout):
+    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    env.pop("LIK_DISABLE", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--cell", "--loop", loop, "--impl", impl,
+           "--steps", str(steps), "--cache", cache_label] + (["--compile"] if compile_ else [])
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(loop=loop, impl=impl, compile=compile_, cache=cache_label, error=f"timeout {timeout}s")
+    process_s = time.perf_counter() - t0
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            row = json.loads(line[7:])
+            row["process_s"] = process_s
+            return row
+    return dict(loop=loop, impl=impl, compile=compile_, cache=cache_label,
+                error=(done.stderr.strip().splitlines() or ["no output"])[-1][:300])
+
+
+def markdown(rows, meta) -> str:
+    out = [f"# Real loops from a cold start ({meta['device']}, {meta['date']})", "",
+           f"torch {meta['torch']}, triton {meta['triton']}; {meta.get('peers', '')}", "",
+           f"Command: `{meta['command']}`", "",
+           "Each cell: a fresh process; `cold` = empty Triton cache, `warm` = a second process on that cache.", "",
+           "| loop | compile | cache | implementation | first step (s) | first 10 steps (s) | steady median (ms) "
+           "| steady max (ms) | steps > 20x median |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | error: {r['error']} | | | | |")
+            continue
+        out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | {r['first_step_s']:.2f} | "
+                   f"{r['first10_s']:.2f} | {r['steady_median_ms']:.3f} | {r['steady_max_ms']:.2f} | "
+                   f"{r['spikes_over_20x']} |")
+    return "\n".join(out) + "\n"
+
+
+def environment() -> dict:
+    import datetime
+
+    import torch
+    import triton
+
+    meta = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat(),
+                command="python " + " ".join(sys.argv))
+    peers = []
+    for dist in ("late_interaction_kernels", "flash_maxsim", "pylate"):
+        try:
+            from importlib.metadata import version
+
+            peers.append(f"{dist} {version(dist)}")
+        except Exception:
+            peers.append(f"{dist} missing")
+    meta["peers"] = ", ".join(peers)
+    return meta
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", nargs="?")
+    p.add_argument("--loops", default=",".join(LOOPS))
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--compile", action="store_true", help="also run every cell under torch.compile")
+    p.add_argument("--warm", action="store_true", help="also run every cell again on its filled Triton cache")
+    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--loop", choices=LOOPS)
+    p.add_argument("--impl", choices=IMPLS)
+    p.add_argument("--cache", default="cold")
+    args = p.parse_args()
+    if args.cell:
+        print("RESULT " + json.dumps(run_cell(args)), flush=True)
+        return 0
+    os.makedirs(args.out_dir, exist_ok=True)
+    meta = environment()
+    rows = []
+    for loop in args.loops.split(","):
+        for compile_ in ([False, True] if args.compile else [False]):
+            if compile_ and loop == "pylate":
+                continue  # the encoder under torch.compile is the encoder's story, not ours
+            for impl in args.impls.split(","):
+                with tempfile.TemporaryDirectory() as cache:
+                    labels = ["cold", "warm"] if args.warm else ["cold"]
+                    for label in labels:
+                        row = _spawn(loop, impl, compile_, cache, label, args.steps, args.timeout)
+                        rows.append(row)
+                        print(json.dumps({k: v for k, v in row.items() if k != "variants"}), flush=True)
+                        with open(os.path.join(args.out_dir, "real_loop.json"), "w") as fh:
+                            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+                        with open(os.path.join(args.out_dir, "real_loop.md"), "w") as fh:
+                            fh.write(markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
