@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-pytest.importorskip("pylate")
+pytest.importorskip("pylate", reason="PyLate is not installed (pip install 'lik_plugins[pylate]')")
 
 import pylate_releases  # noqa: E402
 

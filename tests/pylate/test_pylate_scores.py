@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-pytest.importorskip("pylate")
+pytest.importorskip("pylate", reason="PyLate is not installed (pip install 'lik_plugins[pylate]')")
 
 import torch  # noqa: E402
 

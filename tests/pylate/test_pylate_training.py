@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-pytest.importorskip("pylate")
+pytest.importorskip("pylate", reason="PyLate is not installed (pip install 'lik_plugins[pylate]')")
 
 import pylate_tiny as tiny  # noqa: E402
 
