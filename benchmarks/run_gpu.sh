@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
-# Run on the device machine from the repo root:
+# Run on a CUDA machine from the repo root:
 #   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|fidelity|parity|e2e|hosts|all] [bench_kernels.py options]
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e.
 # A cold machine compiles every specialisation: the suite took ~9 minutes in one process, so
@@ -8,8 +8,8 @@
 # limit per device call run `tests` and `memcheck` + `bench` in separate calls.
 # fidelity = fp8 ranking fidelity on embeddings saved by
 #   python recipes/fp8_fidelity.py --save-embeddings benchmarks/data/fidelity_embeddings.pt
-# (encoded on the CPU machine; carry benchmarks/data with the call).
-# Peers and host libraries come from wheels in .whl/ (the machine has no network).
+# (encoded on any machine; copy benchmarks/data along).
+# Peers and host libraries come from wheels in .whl/ when present (for machines without network).
 # Results (JSON + Markdown + logs) go to $OUT (default: benchmarks/results/latest).
 set -uo pipefail
 stage=${1:-all}; shift || true
