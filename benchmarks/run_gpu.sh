@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
-# Run on a CUDA machine from the repo root:
+# Run on the device machine from the repo root:
 #   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|fidelity|parity|e2e|hosts|all] [bench_kernels.py options]
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e.
 # A cold machine compiles every specialisation: the suite took ~9 minutes in one process, so
