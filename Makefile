@@ -3,7 +3,17 @@
 #   make test  - run the test suite under the Triton CPU interpreter
 #   make demo  - run recipes/train_contrastive.py on CPU
 #   make gpu   - how to run the GPU benchmarks (on the GPU machine, not here)
-# Recipe and rationale: ../shared/notes/install.md (sections 4 and 6).
+#
+# Why the environment is built in two steps: PyLate 1.6 depends on fast-plaid, and every
+# fast-plaid release pins one exact torch (1.6.0 -> torch 2.11.0, a CUDA build), so a plain
+# resolve replaces the CPU torch with a 5 GB CUDA one; colpali-engine depends on
+# torchvision, and PyPI's torchvision is built against the CUDA torch of the same version
+# (beside a CPU torch it fails with "operator torchvision::nms does not exist", which breaks
+# transformers' imports).  So ci/requirements-ci.txt lists the hosts' other dependencies
+# with the torch we want, and the hosts go in with --no-deps (ci/requirements-nodeps.txt).
+# torch==2.13.0 is the CPU build where pip can see a 2.13.0+cpu wheel (a find-links folder,
+# or PyTorch's CPU index: `PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test`);
+# from PyPI alone it is the CUDA build, which works on CPU too but downloads ~5 GB.
 
 SHELL   := /bin/bash
 PYTHON  ?= python3
@@ -32,8 +42,10 @@ test demo: export HF_HUB_OFFLINE := 1
 test demo: export TRANSFORMERS_OFFLINE := 1
 
 # pytest exit code 5 (no tests collected) counts as a failure.
+# -rs lists every skipped test with its reason (a missing optional host says which extra to install).
 test: venv
-	@set +e; TRITON_INTERPRET=1 $(PY) -m pytest -q tests; rc=$$?; \
+	@set +e; start=$$(date +%s); TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s"; \
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests (exit code 5)" >&2; exit 1; fi; \
 	exit $$rc
 
@@ -43,7 +55,8 @@ demo: venv
 
 gpu:
 	@echo "GPU benchmarks are not run from this Makefile."
-	@echo "On the GPU machine (no network; peer wheels in .whl/), from the repo root run:"
+	@echo "On a CUDA machine with torch, triton and (for the side-by-side) the peers'"
+	@echo "wheels in .whl/, from the repo root run:"
 	@echo "    bash benchmarks/run_gpu.sh"
 
 clean:

@@ -10,8 +10,8 @@
 # limit per device call run `tests` and `memcheck` + `bench` in separate calls.
 # fidelity = fp8 ranking fidelity on embeddings saved by
 #   python recipes/fp8_fidelity.py --save-embeddings benchmarks/data/fidelity_embeddings.pt
-# (encoded on the CPU machine; carry benchmarks/data with the call).
-# Peers and host libraries come from wheels in .whl/ (the machine has no network).
+# (encoded on any machine; copy benchmarks/data along).
+# Peers and host libraries come from wheels in .whl/ when present (for machines without network).
 # Results (JSON + Markdown + logs) go to $OUT (default: benchmarks/results/latest).
 set -uo pipefail
 stage=${1:-all}; shift || true

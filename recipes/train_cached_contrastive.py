@@ -31,4 +31,4 @@ def extra(p):
 
 
 if __name__ == "__main__":
-    _common.main(__doc__.splitlines()[0], build, batch_size=16, steps=6, lr=5e-5, extra=extra)
+    _common.main(__doc__.splitlines()[0], build, batch_size=16, steps=10, lr=5e-5, extra=extra)

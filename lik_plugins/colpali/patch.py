@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import threading
 
@@ -183,6 +184,27 @@ def _score_multi_vector_for(processing, original):
 
 
 # --------------------------------------------------------------------------- public
+INSTALL_HINT = "patch_colpali_engine() needs colpali-engine (0.3.10 - 0.3.18): pip install 'lik_plugins[colpali]'"
+
+
+def _import_colpali():
+    """colpali's loss and processing modules, or an ImportError that says what to do.
+
+    A missing colpali-engine gets the install hint; an installed one that fails to import
+    (most often a torchvision built for another torch, which transformers imports) keeps
+    its own error, with a pointer to that cause."""
+    try:
+        return importlib.import_module(LOSSES), importlib.import_module(PROCESSING)
+    except ImportError as exc:
+        if importlib.util.find_spec("colpali_engine") is None:
+            raise ImportError(INSTALL_HINT) from exc
+        raise ImportError(
+            f"colpali-engine is installed but does not import ({exc}); a torchvision that does not "
+            "match the installed torch breaks transformers' imports: install torch and torchvision "
+            "from the same index, or uninstall torchvision"
+        ) from exc
+
+
 def patch_colpali_engine() -> str:
     """Route colpali-engine's scoring and every loss head through lik_plugins.
 
@@ -202,14 +224,14 @@ def patch_colpali_engine() -> str:
         ``"0.3.14-0.3.16"`` or ``"0.3.17+"``.
 
     Raises:
-        ImportError: colpali-engine is not importable.
+        ImportError: colpali-engine is not installed (the message says how to install it) or
+            does not import.
     """
     global _generation
     with _lock:
         if _ledger.active and _generation is not None:
             return _generation.name
-        losses = importlib.import_module(LOSSES)
-        processing = importlib.import_module(PROCESSING)
+        losses, processing = _import_colpali()
         gen = detect_generation(losses)
         try:
             for name, (modern, legacy) in heads.HEADS.items():

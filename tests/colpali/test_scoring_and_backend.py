@@ -10,13 +10,15 @@ import textwrap
 import pytest
 import torch
 
-import lik_plugins
-from colpali_engine.loss import late_interaction_losses as L
-from colpali_engine.utils import maxsim as colpali_maxsim
-from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor as Base
+pytest.importorskip("colpali_engine", reason="colpali-engine is not installed (pip install 'lik_plugins[colpali]')")
 
-from .helpers import delta, env, routed
-from .releases import release
+import lik_plugins  # noqa: E402
+from colpali_engine.loss import late_interaction_losses as L  # noqa: E402
+from colpali_engine.utils import maxsim as colpali_maxsim  # noqa: E402
+from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor as Base  # noqa: E402
+
+from .helpers import delta, env, routed  # noqa: E402
+from .releases import release  # noqa: E402
 
 
 def _ragged(n, lo, hi, d, seed, dtype=torch.float32):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-import lik_plugins
-from colpali_engine.loss import late_interaction_losses as L
+pytest.importorskip("colpali_engine", reason="colpali-engine is not installed (pip install 'lik_plugins[colpali]')")
 
-from .helpers import env, train_tiny
+import lik_plugins  # noqa: E402
+from colpali_engine.loss import late_interaction_losses as L  # noqa: E402
+
+from .helpers import env, train_tiny  # noqa: E402
 
 HEADS = [
     ("ColbertLoss", 0), ("ColbertPairwiseCELoss", 0), ("ColbertSigmoidLoss", 0),

@@ -182,7 +182,7 @@ def test_fp8_kernel_equals_the_specification(shape, mode):
     spec = reference.maxsim_fp8(q, dd, qm, dm, mask_mode=mode, dtype=torch.float64)
     # Hopper's fp8 MMA adds its products at reduced internal precision (measured 0.6-1.3e-4
     # of the score; promoting into fp32 every 32 products still left 4e-5 and cost 10-30 %,
-    # benchmarks/NOTES.md v11), a hundredth of what e4m3 rounding itself changes (~1e-2)
+    # docs/performance-notes.md, fp8), a hundredth of what e4m3 rounding itself changes (~1e-2)
     assert _rel(out, spec) < 3e-4
 
 
@@ -197,7 +197,7 @@ def test_fp8_kernel_equals_the_specification(shape, mode):
 def test_fp8_fused_query_quantisation_matches_the_two_launch_path(monkeypatch, shape, dtype):
     """A float query is quantised inside the scoring kernel (QUANT_Q): the scores of
     quantising it first, to the last bit or one -- a NaN token included -- and no separate
-    launch.  Measured on an H100 (benchmarks/diag_fp8_fused.py): 1-ulp differences in up to
+    launch.  Measured on an H100 (docs/performance-notes.md, fp8): 1-ulp differences in up to
     40 % of the scores (relative <= 1.1e-7) and the same error against the specification; a
     query token quantised differently would move its score by ~1e-3."""
     nq, nj, lq, ld, d, kd = shape

@@ -6,7 +6,9 @@ import os
 import numpy as np
 import pytest
 
-pytest.importorskip("pylate")
+# "pylate.scores", not "pylate": without PyLate, this folder (tests/pylate, on sys.path through
+# tests/) would import as an empty namespace package named pylate.
+pytest.importorskip("pylate.scores", reason="PyLate is not installed (pip install 'lik_plugins[pylate]')")
 
 import torch  # noqa: E402
 
