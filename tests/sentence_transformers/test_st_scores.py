@@ -180,7 +180,7 @@ def _groups(seed, nq=3, qd=3, n=3, lq=5, ld=7, h=8):
     G[0, 1, 4:] = 0
     qm = torch.rand(nq, lq, generator=g) > 0.2
     gm = torch.rand(qd, n, ld, generator=g) > 0.3
-    gm[1, 2] = False
+    gm[1, -1] = False  # a fully masked document: the sentinel
     return Q, G, qm, gm
 
 
@@ -332,3 +332,32 @@ def test_install_hint_when_st_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import raises ImportError
     with pytest.raises(ImportError, match="pip install 'sentence-transformers>=6,<7'"):
         _patch.detect()
+
+
+# ------------------------------------------------------------------------ the Triton kernels
+
+
+def test_st_semantics_through_the_triton_kernels(patched, monkeypatch):
+    """Masks with holes, a fully masked document (sentinel), all-negative rows and gradients
+    through the real Triton kernels (CPU interpreter in CI)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU) for the kernels")
+    pytest.importorskip("triton")
+    from sentence_transformers.multi_vector_encoder import scoring
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    Q, G, qm, gm = _groups(seed=13, nq=2, qd=2, n=2, lq=5, ld=7, h=16)
+    G = (G - 0.4).requires_grad_()  # mostly negative similarities
+    Q = Q.requires_grad_()
+    ours = scoring.colbert_scores(Q, G, queries_mask=qm, documents_mask=gm)
+    assert routing_counts()["sentence_transformers.maxsim"] == {"triton": 1}
+    ours.sum().backward()
+    got = (ours.detach(), Q.grad.clone(), G.grad.clone())
+    Q.grad, G.grad = None, None
+    theirs = unpatched(lambda: scoring.colbert_scores(Q, G, queries_mask=qm, documents_mask=gm))
+    theirs.sum().backward()
+    torch.testing.assert_close(got[0], theirs.detach(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], Q.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[2], G.grad, atol=1e-4, rtol=1e-4)
