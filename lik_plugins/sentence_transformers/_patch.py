@@ -69,13 +69,13 @@ def detect() -> STLayout:
         import sentence_transformers
     except ImportError as exc:
         raise ImportError(
-            "patch_sentence_transformers() needs sentence-transformers 6.x: pip install 'sentence-transformers>=6,<7'"
+            "patch_sentence_transformers() needs sentence-transformers 6.x: pip install 'sentence-transformers>=6,<7' (or 'lik_plugins[sentence-transformers]')"
         ) from exc
     version = str(getattr(sentence_transformers, "__version__", "unknown"))
     if version.split(".")[0] != "6":
         raise RuntimeError(
             f"patch_sentence_transformers() serves sentence-transformers 6.x (MultiVectorEncoder); "
-            f"installed: {version}. pip install 'sentence-transformers>=6,<7'"
+            f"installed: {version}. pip install 'sentence-transformers>=6,<7' (or 'lik_plugins[sentence-transformers]')"
         )
     for name in MODULES:
         importlib.import_module(name)

@@ -273,6 +273,7 @@ def _snapshot():
 
 
 def test_patch_twice_then_unpatch_restores_everything():
+    patch_sentence_transformers()  # imports every module the patcher covers, so both snapshots see them
     unpatch_sentence_transformers()
     from sentence_transformers.util import similarity
 
