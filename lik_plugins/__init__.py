@@ -9,6 +9,7 @@ eagerly.  Public surface::
     routing_counts, reset_routing_counts              # which path served each call
     patch_pylate, unpatch_pylate                      # PyLate integration
     patch_colpali_engine, unpatch_colpali_engine      # colpali-engine integration
+    patch_sentence_transformers, unpatch_sentence_transformers  # sentence-transformers 6.x
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ _LAZY = {
     "unpatch_pylate": ("lik_plugins.pylate", "unpatch_pylate"),
     "patch_colpali_engine": ("lik_plugins.colpali", "patch_colpali_engine"),
     "unpatch_colpali_engine": ("lik_plugins.colpali", "unpatch_colpali_engine"),
+    "patch_sentence_transformers": ("lik_plugins.sentence_transformers", "patch_sentence_transformers"),
+    "unpatch_sentence_transformers": ("lik_plugins.sentence_transformers", "unpatch_sentence_transformers"),
 }
 
 __all__ = ["routing_counts", "reset_routing_counts", *_LAZY]

@@ -1,14 +1,19 @@
-"""Zero-code activation: ``PYLATE_SCORES_BACKEND=lik python train.py`` trains on our kernels.
+"""Zero-code activation: ``PYLATE_SCORES_BACKEND=lik python train.py`` (or
+``LIK_PATCH=sentence_transformers python train.py``) trains on our kernels.
 
 The installed ``lik_plugins_autoactivate.pth`` runs one line at interpreter start.  That
-line imports nothing unless an environment variable ending in ``_SCORES_BACKEND`` is set
-to ``lik`` or ``auto``; only then does it import this module and call :func:`install`.
+line imports nothing unless ``LIK_PATCH`` is set or an environment variable ending in
+``_SCORES_BACKEND`` is ``lik`` or ``auto``; only then does it import this module and call
+:func:`install`.  ``LIK_PATCH`` names hosts (comma-separated): ``pylate``, ``colpali``,
+``sentence_transformers``, or ``all``; it is the only switch for sentence-transformers,
+which has no backend variable of its own.
 
 :func:`install` does not import the host either: it puts a finder on ``sys.meta_path``
 that waits for the host's top-level module and runs the patch function right after
 that module finishes importing (or at once, if the host is already imported).
 
-One row per host: ``{env var: (host top-level module, adapter module, patch function)}``.
+One row per host: ``{env var: (host top-level module, adapter module, patch function)}``;
+:data:`NAMES` maps the ``LIK_PATCH`` names onto the same rows.
 """
 from __future__ import annotations
 
@@ -22,13 +27,37 @@ HOSTS: dict[str, tuple[str, str, str]] = {
     "COLPALI_SCORES_BACKEND": ("colpali_engine", "lik_plugins.colpali", "patch_colpali_engine"),
 }
 
+#: Hosts reachable only through ``LIK_PATCH`` (no backend variable of their own).
+SENTENCE_TRANSFORMERS = ("sentence_transformers", "lik_plugins.sentence_transformers", "patch_sentence_transformers")
+
+#: ``LIK_PATCH`` names -> rows.
+NAMES: dict[str, tuple[str, str, str]] = {
+    "pylate": HOSTS["PYLATE_SCORES_BACKEND"],
+    "colpali": HOSTS["COLPALI_SCORES_BACKEND"],
+    "colpali_engine": HOSTS["COLPALI_SCORES_BACKEND"],
+    "sentence_transformers": SENTENCE_TRANSFORMERS,
+}
+
 #: Values of a host's variable that turn the patch on at interpreter start.
 ACTIVATING = ("lik", "auto")
 
 
 def wanted(environ=os.environ) -> list[tuple[str, str, str]]:
-    """The table rows whose variable asks for activation."""
-    return [row for var, row in HOSTS.items() if environ.get(var, "").strip().lower() in ACTIVATING]
+    """The table rows asked for: by a host's ``*_SCORES_BACKEND`` variable or by ``LIK_PATCH``."""
+    from ._config import patch_hosts
+
+    rows = [row for var, row in HOSTS.items() if environ.get(var, "").strip().lower() in ACTIVATING]
+    for name in patch_hosts(environ):
+        chosen = list(dict.fromkeys(NAMES.values())) if name == "all" else [NAMES.get(name)]
+        if chosen == [None]:
+            import warnings
+
+            known = ", ".join(sorted({*NAMES, "all"}))
+            warnings.warn(f"lik_plugins: LIK_PATCH names an unknown host {name!r} (known: {known})",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        rows += [row for row in chosen if row not in rows]
+    return rows
 
 
 def _patch(adapter: str, function: str) -> None:

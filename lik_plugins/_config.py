@@ -24,6 +24,9 @@ between two calls in the same process.
                             it applies); ``lik``/``auto`` also activate the patch at start-up.
 ``COLPALI_SCORES_BACKEND``  the same for colpali-engine (``auto`` | ``torch`` | ``lik``; any
                             other value raises colpali's own ``ValueError``).
+``LIK_PATCH``               hosts to patch at interpreter start, comma-separated:
+                            ``pylate``, ``colpali``, ``sentence_transformers`` or ``all``
+                            (e.g. ``LIK_PATCH=sentence_transformers``); read once, at start-up.
 ==========================  =========================================================
 """
 from __future__ import annotations
@@ -83,3 +86,10 @@ def scores_backend(variable: str, default: str = "auto") -> str:
     """A host's ``*_SCORES_BACKEND`` value, lower-cased and otherwise as the host reads it
     (validation is the host adapter's: each host has its own accepted values and error)."""
     return _getenv(variable, default).lower()
+
+
+def patch_hosts(environ=None) -> list[str]:
+    """``LIK_PATCH``: the host names listed (comma-separated, lower-cased, ``-`` read as ``_``),
+    in order; validation is the start-up hook's (it warns about unknown names)."""
+    raw = _getenv("LIK_PATCH", "") if environ is None else environ.get("LIK_PATCH", "")
+    return [name.strip().lower().replace("-", "_") for name in raw.split(",") if name.strip()]

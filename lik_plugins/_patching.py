@@ -4,10 +4,15 @@ A host patcher describes *what* it replaces (a table per host version); the ledg
 does the replacing and remembers every original, so ``unpatch_*()`` restores the
 exact objects that were there before (a ``staticmethod`` stays a ``staticmethod``, a
 missing attribute is deleted again, function defaults get their original tuple back).
+
+:func:`instance_slot_property` serves objects built *before* a patch (a loss holding the
+host's scoring function, a model holding its similarity), and :func:`lookalike` makes an
+adapter look like the function it replaces (doctest collection, ``inspect``, pickling).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import functools
 from typing import Any, Callable
 
 _MISSING = object()
@@ -87,3 +92,51 @@ class PatchLedger:
         for change in reversed(self.changes):
             change.restore()
         self.changes.clear()
+
+
+def instance_slot_property(name: str, to_adapter: dict, to_original: dict, doc: str | None = None) -> property:
+    """A class-level data descriptor over the instance slot ``name``: reading maps a host
+    original to its adapter (``to_adapter``), writing stores the original (``to_original``),
+    so objects built before, during or after a patch behave alike and, once the property is
+    removed again, hold exactly what the host put there.  Dict values (e.g. an evaluator's
+    ``{name: function}``) are mapped item by item; an ``nn.Module`` stored in ``_modules``
+    is returned as is."""
+
+    def swap(value: Any, table: dict) -> Any:
+        try:
+            if isinstance(value, dict):
+                return {key: table.get(item, item) for key, item in value.items()}
+            return table.get(value, value)
+        except TypeError:  # unhashable callable: not one of ours
+            return value
+
+    def fget(self):
+        try:
+            value = self.__dict__[name]
+        except KeyError:
+            modules = self.__dict__.get("_modules")  # an nn.Module stored by nn.Module.__setattr__
+            if modules is not None and name in modules:
+                return modules[name]
+            raise AttributeError(name) from None
+        return swap(value, to_adapter)
+
+    def fset(self, value):
+        self.__dict__[name] = swap(value, to_original)
+
+    def fdel(self):
+        del self.__dict__[name]
+
+    return property(fget, fset, fdel, doc=doc or f"{name} (served by lik_plugins)")
+
+
+def lookalike(adapter: Callable, original: Callable) -> Callable:
+    """A new function that calls ``adapter`` and carries ``original``'s identity:
+    ``__module__``, ``__name__``, ``__qualname__``, ``__doc__``, ``__wrapped__`` (so
+    ``inspect.signature`` shows the host's signature) -- what doctest collection, help()
+    and pickling by qualified name look at.  ``adapter`` itself is left untouched."""
+
+    @functools.wraps(original)
+    def served(*args, **kwargs):
+        return adapter(*args, **kwargs)
+
+    return served

@@ -24,43 +24,29 @@ import sys
 import threading
 from typing import Any
 
-from .._patching import PatchLedger
+from .._patching import PatchLedger, instance_slot_property, lookalike
 from . import _layout as layout_mod
 from . import _scores
 
 _lock = threading.Lock()
 _ledger = PatchLedger("pylate")
 _current: layout_mod.PyLateLayout | None = None
+#: One lookalike per original for the life of a patch (identity matters: the instance slots
+#: map adapters back to originals, and re-applying must find the same objects).
+_served: dict = {}
 
 
-def _mapping_property(name: str, to_adapter: dict, to_original: dict) -> property:
-    """A data descriptor over the instance slot ``name`` (which shadows ``__dict__``)."""
-
-    def swap(value: Any, table: dict) -> Any:
-        try:
-            if isinstance(value, dict):
-                return {key: table.get(item, item) for key, item in value.items()}
-            return table.get(value, value)
-        except TypeError:  # unhashable callable: not one of ours
-            return value
-
-    def fget(self):
-        try:
-            value = self.__dict__[name]
-        except KeyError:
-            modules = self.__dict__.get("_modules")  # an nn.Module stored by nn.Module.__setattr__
-            if modules is not None and name in modules:
-                return modules[name]
-            raise AttributeError(name) from None
-        return swap(value, to_adapter)
-
-    def fset(self, value):
-        self.__dict__[name] = swap(value, to_original)
-
-    def fdel(self):
-        del self.__dict__[name]
-
-    return property(fget, fset, fdel, doc=f"{name} (PyLate scorers served by lik_plugins)")
+def _lookalikes(layout: layout_mod.PyLateLayout) -> dict:
+    """``{original: adapter}``, each adapter carrying its original's name, module, docstring
+    and signature, so PyLate's doctests are still collected and run through the patch."""
+    if not _served:
+        for name in layout_mod.FUNCTIONS:
+            original = layout.originals[name]
+            _served[original] = lookalike(_scores.ADAPTERS[name], original)
+        call = layout.originals.get("ColBERTScores.__call__")
+        if call is not None:
+            _served[call] = lookalike(_scores.colbert_scores_call, call)
+    return _served
 
 
 def _pylate_modules() -> list:
@@ -97,7 +83,8 @@ def _already_patched(owner: Any, name: str) -> bool:
 
 
 def _apply(layout: layout_mod.PyLateLayout) -> None:
-    to_adapter = {layout.originals[n]: _scores.ADAPTERS[n] for n in layout_mod.FUNCTIONS}
+    served = _lookalikes(layout)
+    to_adapter = {layout.originals[n]: served[layout.originals[n]] for n in layout_mod.FUNCTIONS}
     to_original = {adapter: original for original, adapter in to_adapter.items()}
 
     for module in _pylate_modules():
@@ -124,12 +111,12 @@ def _apply(layout: layout_mod.PyLateLayout) -> None:
             continue
         if isinstance(vars(cls).get(attr), property):
             continue  # the host made it a property itself: leave it alone
-        _ledger.set_attr(cls, attr, _mapping_property(attr, to_adapter, to_original))
+        _ledger.set_attr(cls, attr, instance_slot_property(attr, to_adapter, to_original, doc=f"{attr} (PyLate scorers served by lik_plugins)"))
 
     # 4. ColBERTScores: one fused call over all document groups (1.5.0 and newer)
     cls = layout.colbert_scores_class
     if cls is not None and not _already_patched(cls, "__call__"):
-        _ledger.set_attr(cls, "__call__", _scores.colbert_scores_call)
+        _ledger.set_attr(cls, "__call__", served[layout.originals["ColBERTScores.__call__"]])
 
 
 def patch_pylate() -> layout_mod.PyLateLayout:
@@ -187,6 +174,7 @@ def unpatch_pylate() -> None:
         _ledger.revert()
         _scores.bind(_current, active=False)
         _current = None
+        _served.clear()
 
 
 def is_patched() -> bool:

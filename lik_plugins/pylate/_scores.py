@@ -15,7 +15,9 @@ Backend values (argument first, else ``PYLATE_SCORES_BACKEND``, read on every ca
 ``lik`` -> ``lik_plugins`` on every device it serves (CPU included); ``torch`` and
 ``flash`` -> PyLate's own code; ``auto`` -> ``lik_plugins`` wherever it applies, else
 PyLate's own code.  Other values raise PyLate's ``ValueError``.  ``LIK_DISABLE=1`` sends
-every call to PyLate's original code (a request for ``lik`` becomes ``torch`` there).
+every call to PyLate's original code with the caller's arguments untouched, as if the
+plugin were not installed: a ``backend="lik"`` request then reaches PyLate's own LIK
+backend (late-interaction-kernels) or PyLate's own error.
 """
 from __future__ import annotations
 
@@ -70,6 +72,9 @@ class _Fallback:
 
 
 def _call_original(entry: str, original: Callable, args: tuple, backend: str | None, choice: str | None) -> Any:
+    """PyLate's own function for a call the patch declined (``torch`` / ``flash``, or a
+    fallback).  A ``lik`` request that falls back runs PyLate's torch path: ``lik`` names
+    lik_plugins while the patch is in place, and PyLate's own LIK hook would raise on CPU."""
     record(entry, "original")
     layout = _layout
     if layout is None or not layout.has_backend:
@@ -79,10 +84,17 @@ def _call_original(entry: str, original: Callable, args: tuple, backend: str | N
             )
         return original(*args)
     if choice == "lik":
-        # ``lik`` names lik_plugins while the patch is in place; with the kill switch on
-        # the call runs PyLate's own torch path instead of PyLate's LIK hook.
         backend = "torch"
     return original(*args, backend=backend)
+
+
+def _call_unpatched(entry: str, original: Callable, args: tuple, backend: str | None) -> Any:
+    """The kill switch (or a stale adapter after unpatch): PyLate's own function with the
+    caller's arguments exactly, as if lik_plugins were not installed -- ``backend`` is
+    forwarded only when the caller gave one, so PyLate resolves ``PYLATE_SCORES_BACKEND``
+    itself and a ``lik`` request meets PyLate's own LIK backend (or its own error)."""
+    record(entry, "original")
+    return original(*args) if backend is None else original(*args, backend=backend)
 
 
 def _dispatch(entry: str, name: str, args: tuple, backend: str | None, prepare: Callable, original=None) -> Any:
@@ -90,12 +102,7 @@ def _dispatch(entry: str, name: str, args: tuple, backend: str | None, prepare: 
     if original is None:
         original = layout.originals[name]
     if not _active or disabled():
-        choice = None
-        if layout is not None and layout.has_backend:
-            # Only translate a ``lik`` request; everything else goes through untouched.
-            requested = backend if backend is not None else scores_backend("PYLATE_SCORES_BACKEND")
-            choice = "lik" if isinstance(requested, str) and requested.lower() == "lik" else None
-        return _call_original(entry, original, args, backend, choice)
+        return _call_unpatched(entry, original, args, backend)
     choice = requested_backend(backend)
     if choice in ("torch", "flash"):
         return _call_original(entry, original, args, backend, choice)

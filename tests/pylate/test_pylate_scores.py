@@ -236,14 +236,61 @@ def test_strict_lik(patched, monkeypatch):
         scores.colbert_kd_scores(Q, D, qm, dm)  # 3-D documents in the KD layout
 
 
-def test_kill_switch_with_lik_requested_runs_pylates_torch_path(patched, monkeypatch):
+def _outcome(call):
+    """A call's result or its exception (type and message), for test-for-test comparison."""
+    try:
+        return ("ok", call())
+    except Exception as exc:  # noqa: BLE001 -- the host's own error is the expected outcome
+        return ("raised", type(exc), str(exc))
+
+
+def _same_outcome(ours, theirs):
+    assert ours[0] == theirs[0], (ours, theirs)
+    if ours[0] == "ok":
+        torch.testing.assert_close(ours[1], theirs[1], atol=0, rtol=0)
+        assert ours[1].dtype == theirs[1].dtype
+    else:
+        assert ours[1:] == theirs[1:]
+
+
+KILL_SWITCH_BACKENDS = [None, "lik", "LIK", "auto", "torch", "flash", "bogus"]
+
+
+@pytest.mark.parametrize("value", KILL_SWITCH_BACKENDS)
+@pytest.mark.parametrize("via", ["argument", "variable"])
+def test_kill_switch_leaves_pylate_exactly_as_it_is(patched, monkeypatch, value, via):
+    """``LIK_DISABLE=1``: every backend request -- ``lik`` included -- gets what PyLate alone
+    gives (on CPU without late-interaction-kernels PyLate's own ``lik`` raises its own error;
+    the patch must not turn it into ``torch``), routed "original"."""
     from pylate import scores
 
-    monkeypatch.setenv("PYLATE_SCORES_BACKEND", "lik")
-    monkeypatch.setenv("LIK_DISABLE", "1")
     Q, D, qm, dm = _inputs(seed=9)
-    scores.colbert_scores(Q, D, qm, dm)
-    assert routing_counts() == {"pylate.colbert_scores": {"original": 1}}
+    G = torch.stack([D, D.flip(0)], dim=1)  # [Nq, 2, Ld, H] per-query candidates
+    Gm = torch.stack([dm, dm.flip(0)], dim=1)
+    kwargs = {"backend": value} if via == "argument" and value is not None else {}
+    if via == "variable" and value is not None:
+        monkeypatch.setenv("PYLATE_SCORES_BACKEND", value)
+
+    def calls():
+        return {
+            "colbert_scores": _outcome(lambda: scores.colbert_scores(Q, D, qm, dm, **kwargs)),
+            "colbert_kd_scores": _outcome(lambda: scores.colbert_kd_scores(Q[:4], G[: Q.shape[0]], qm, Gm[: Q.shape[0]], **kwargs)),
+            "colbert_scores_pairwise": _outcome(lambda: scores.colbert_scores_pairwise(Q, D[: Q.shape[0]], **kwargs)),
+            "ColBERTScores": _outcome(lambda: scores.ColBERTScores()(Q, G[: Q.shape[0]], qm, Gm[: Q.shape[0]], **kwargs)),
+        }
+
+    monkeypatch.setenv("LIK_DISABLE", "1")
+    ours = calls()
+    assert all(set(paths) == {"original"} for paths in routing_counts().values()), routing_counts()
+    unpatch_pylate()
+    try:
+        theirs = calls()
+    finally:
+        patch_pylate()
+    for name in ours:
+        _same_outcome(ours[name], theirs[name])
+    if value is not None and value.lower() == "lik":
+        assert ours["colbert_scores"][0] == "raised"  # PyLate's own lik on CPU, not a silent torch run
 
 
 # ------------------------------------------------------------------------ patch / unpatch
@@ -298,13 +345,16 @@ def test_objects_built_during_the_patch_are_plain_pylate_after_unpatch(tmp_path)
 
     unpatch_pylate()
     encoder = tiny.save_tiny_encoder(str(tmp_path / "enc"))
-    patch_pylate()
+    layout = patch_pylate()
     model = tiny.load_colbert(encoder)
     loss = losses.Distillation(model=model)
-    assert loss.score_metric.__module__ == "lik_plugins.pylate._scores"
+    original = layout.originals["colbert_kd_scores"]
+    # served by a lookalike adapter: PyLate's name, module, docstring and signature
+    assert loss.score_metric is not original and loss.score_metric.__wrapped__ is original
+    assert loss.score_metric.__module__ == original.__module__ and loss.score_metric.__doc__ == original.__doc__
     unpatch_pylate()
-    assert loss.score_metric.__module__.startswith("pylate.scores")
-    assert model._similarity.__module__.startswith("pylate.scores")
+    assert loss.score_metric is original
+    assert model._similarity is layout.originals["colbert_scores"]
 
 
 # ------------------------------------------------------- the Triton kernels behind PyLate

@@ -1,0 +1,221 @@
+"""``patch_sentence_transformers()`` / ``unpatch_sentence_transformers()`` for 6.x.
+
+Capture points (read from the 6.0.0 - 6.2.0 wheels; the chunk scorers are byte-identical
+across them, the loops differ only in how they chunk):
+
+=========================================================  ======================  ==========================
+target                                                     kind                    replaced by
+=========================================================  ======================  ==========================
+``util.similarity._maxsim_score_documents`` / ``_pairs``   call-time global        one fused op call
+``maxsim`` / ``maxsim_pairwise`` (``util.similarity``,     call-time globals,      ST's loop in one chunk for
+``util``, ``multi_vector_encoder``, ``scoring.colbert``)   re-exports              pre-padded tensors
+``scoring.colbert.colbert_scores`` / ``colbert_kd_scores``  global, re-exports,     one call over the folded
+(+ ``scoring``, the losses' module globals)                loss ``__init__``       document groups
+``<loss>.similarity_fct`` of losses built before           instance                class-level slot property
+``MultiVectorEncoder._similarity(_pairwise)``               instance (resolved by   class-level slot property
+                                                           ``similarity_fn_name``)
+=========================================================  ======================  ==========================
+
+Every module global of ``sentence_transformers.*`` that *is* one of the originals is
+replaced (found by identity, so re-exports are covered), and so are function defaults
+holding one.  ``mean_*`` scorers, ``colbert_scores_pairwise``, ``SimilarityFunction``,
+``model.similarity`` and the evaluators reach the replaced globals at call time.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .._patching import PatchLedger, instance_slot_property, lookalike
+from . import _scores
+
+SIMILARITY = "sentence_transformers.util.similarity"
+COLBERT = "sentence_transformers.multi_vector_encoder.scoring.colbert"
+LOSSES = "sentence_transformers.multi_vector_encoder.losses"
+MODEL = "sentence_transformers.multi_vector_encoder.model"
+
+#: Imported by the patcher so every module-level copy of a scorer exists before we look.
+MODULES = (
+    SIMILARITY,
+    "sentence_transformers.util",
+    "sentence_transformers.multi_vector_encoder",
+    "sentence_transformers.multi_vector_encoder.scoring",
+    COLBERT,
+    LOSSES,
+    MODEL,
+    "sentence_transformers.multi_vector_encoder.evaluation",
+)
+
+_lock = threading.Lock()
+_ledger = PatchLedger("sentence_transformers")
+_current: "STLayout | None" = None
+
+
+@dataclass(frozen=True)
+class STLayout:
+    """What the patcher found: the release and the original functions it replaces."""
+
+    version: str
+    originals: dict[str, Callable[..., Any]]
+
+
+def detect() -> STLayout:
+    """Import sentence-transformers' multi-vector modules and describe the installed release."""
+    import importlib
+
+    try:
+        import sentence_transformers
+    except ImportError as exc:
+        raise ImportError(
+            "patch_sentence_transformers() needs sentence-transformers 6.x: pip install 'sentence-transformers>=6,<7' (or 'lik_plugins[sentence-transformers]')"
+        ) from exc
+    version = str(getattr(sentence_transformers, "__version__", "unknown"))
+    if version.split(".")[0] != "6":
+        raise RuntimeError(
+            f"patch_sentence_transformers() serves sentence-transformers 6.x (MultiVectorEncoder); "
+            f"installed: {version}. pip install 'sentence-transformers>=6,<7' (or 'lik_plugins[sentence-transformers]')"
+        )
+    for name in MODULES:
+        importlib.import_module(name)
+    similarity, colbert = sys.modules[SIMILARITY], sys.modules[COLBERT]
+    originals = {name: getattr(similarity, name) for name in _scores.SIMILARITY_ADAPTERS}
+    originals.update({name: getattr(colbert, name) for name in _scores.SCORING_ADAPTERS})
+    return STLayout(version=version, originals=originals)
+
+
+def _st_modules() -> list:
+    return [
+        m
+        for n, m in list(sys.modules.items())
+        if m is not None and (n == "sentence_transformers" or n.startswith("sentence_transformers."))
+    ]
+
+
+def _hashable_in(value: Any, table: dict) -> bool:
+    try:
+        return value in table
+    except TypeError:
+        return False
+
+
+def _patched(owner: Any, name: str) -> bool:
+    return any(c.owner is owner and c.name == name for c in _ledger.changes)
+
+
+def _rewrite_defaults(func: Any, to_adapter: dict) -> None:
+    func = getattr(func, "__func__", func)
+    if not hasattr(func, "__defaults__") or _patched(func, "__defaults__"):
+        return
+    defaults = func.__defaults__
+    if defaults and any(_hashable_in(d, to_adapter) for d in defaults):
+        _ledger.set_defaults(func, tuple(to_adapter[d] if _hashable_in(d, to_adapter) else d for d in defaults))
+    kwdefaults = func.__kwdefaults__
+    if kwdefaults and any(_hashable_in(v, to_adapter) for v in kwdefaults.values()):
+        _ledger.set_kwdefaults(func, {k: to_adapter[v] if _hashable_in(v, to_adapter) else v for k, v in kwdefaults.items()})
+
+
+def _instance_slots() -> list[tuple[type, str]]:
+    slots = []
+    model = getattr(sys.modules.get(MODEL), "MultiVectorEncoder", None)
+    if model is not None:
+        slots += [(model, "_similarity"), (model, "_similarity_pairwise")]
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(LOSSES + "."):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name and hasattr(value, "forward"):
+                slots.append((value, "similarity_fct"))
+    return slots
+
+
+def _apply(layout: STLayout, served: dict) -> None:
+    to_adapter = dict(served)
+    to_original = {adapter: original for original, adapter in served.items()}
+    for module in _st_modules():
+        # 1. module globals, found by identity (re-exports, the losses' imports)
+        for attr, value in list(vars(module).items()):
+            if _hashable_in(value, to_adapter) and not _patched(module, attr):
+                _ledger.set_attr(module, attr, to_adapter[value])
+        # 2. defaults bound at definition time (none in 6.0 - 6.2; a later 6.x may add some)
+        for value in list(vars(module).values()):
+            if getattr(value, "__module__", None) != module.__name__:
+                continue
+            if isinstance(value, type):
+                for member in list(vars(value).values()):
+                    _rewrite_defaults(member, to_adapter)
+            elif callable(value):
+                _rewrite_defaults(value, to_adapter)
+    # 3. instances built before the patch: losses' similarity_fct, models' resolved similarity
+    for cls, attr in _instance_slots():
+        if _patched(cls, attr) or isinstance(vars(cls).get(attr), property):
+            continue
+        doc = f"{attr} (sentence-transformers scorers served by lik_plugins)"
+        _ledger.set_attr(cls, attr, instance_slot_property(attr, to_adapter, to_original, doc=doc))
+
+
+_served: dict = {}
+
+
+def patch_sentence_transformers() -> STLayout:
+    """Serve sentence-transformers 6.x multi-vector (MaxSim) scoring with ``lik_plugins``.
+
+    After the call, ``maxsim``, ``maxsim_pairwise``, ``mean_maxsim(_pairwise)``, the scoring
+    functions in ``multi_vector_encoder.scoring`` (``colbert_scores``, ``colbert_kd_scores``,
+    ``colbert_scores_pairwise`` and their ``mean_`` variants), the losses
+    (``MultiVectorMultipleNegativesRankingLoss``, ``CachedMultiVectorMultipleNegativesRankingLoss``,
+    ``MultiVectorDistillKLDivLoss``, ``MultiVectorMarginMSELoss``), ``model.similarity`` /
+    ``similarity_pairwise`` and the evaluators run on the fused kernels -- including losses
+    and models built before the call.  Results keep ST's semantics: masked document tokens
+    cannot win the max, masked query tokens add 0, documents without a valid token get ST's
+    sentinel score, float32 output on the documents' device, masks derived from all-zero
+    rows, ``length_normalize``.  ``chunk_elements`` is accepted; pre-padded inputs are scored
+    in one launch.  XTR scoring stays on ST's path (a global top-k, not MaxSim).
+
+    ``LIK_DISABLE=1`` sends every call to ST's original code.  Calling it again is harmless
+    (it also covers ST modules imported since).  :func:`lik_plugins.routing_counts` shows the
+    path of each scorer launch under ``sentence_transformers.maxsim`` and
+    ``sentence_transformers.maxsim_pairwise`` (``colbert_scores`` / ``colbert_kd_scores``
+    appear there only when they run ST's own loop).
+
+    Returns:
+        The detected :class:`STLayout` (``version``, ``originals``).
+
+    Raises:
+        ImportError: sentence-transformers is not installed.
+        RuntimeError: the installed release is not 6.x.
+
+    Example::
+
+        import lik_plugins
+        lik_plugins.patch_sentence_transformers()
+        ...  # build the MultiVectorEncoder and its loss, train with MultiVectorEncoderTrainer
+        print(lik_plugins.routing_counts())
+    """
+    global _current
+    with _lock:
+        layout = _current if _current is not None else detect()
+        if not _served:
+            adapters = {**_scores.SIMILARITY_ADAPTERS, **_scores.SCORING_ADAPTERS}
+            for name, original in layout.originals.items():
+                _served[original] = lookalike(adapters[name], original)
+        _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
+        _apply(layout, _served)
+        _current = layout
+        return layout
+
+
+def unpatch_sentence_transformers() -> None:
+    """Restore every original sentence-transformers object exactly (harmless when not patched)."""
+    global _current
+    with _lock:
+        _ledger.revert()
+        if _current is not None:  # keep the originals bound: a stale adapter then runs ST's code
+            _scores.bind(_current.originals, sys.modules.get(SIMILARITY), active=False)
+        _served.clear()
+        _current = None
+
+
+def is_patched() -> bool:
+    return _ledger.active

@@ -1,0 +1,76 @@
+"""Zero-code activation for sentence-transformers 6.x: ``LIK_PATCH=sentence_transformers``.
+
+Runs in a subprocess of this environment, which must have lik_plugins installed (the
+``.pth`` start-up hook); ``ci/st6_env.sh`` installs the checkout editable."""
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import st_tiny
+
+st_tiny.require_st6()
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+
+def _pth_installed() -> bool:
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return any((Path(d) / "lik_plugins_autoactivate.pth").exists() for d in dirs)
+
+
+pytestmark = pytest.mark.skipif(not _pth_installed(), reason="lik_plugins is not installed here (pip install -e .)")
+
+
+def _run(code: str, **env) -> dict:
+    environ = {k: v for k, v in os.environ.items()
+               if not k.endswith("_SCORES_BACKEND") and k not in ("LIK_DISABLE", "LIK_PATCH", "LIK_BACKEND")}
+    environ.update(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=f"{HERE}{os.pathsep}{ROOT}")
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True,
+                         timeout=300, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+STARTUP = """
+import json, sys
+print(json.dumps({m: m in sys.modules for m in ("lik_plugins", "torch", "sentence_transformers")}))
+"""
+
+
+def test_nothing_imported_unless_asked_and_then_only_the_hook():
+    assert _run(STARTUP) == {"lik_plugins": False, "torch": False, "sentence_transformers": False}
+    assert _run(STARTUP, LIK_PATCH="sentence_transformers") == {
+        "lik_plugins": True, "torch": False, "sentence_transformers": False}
+
+
+TRAIN = """
+import json, os, sys, tempfile
+import st_tiny   # builds a tiny offline MultiVectorEncoder; never imports lik_plugins
+with tempfile.TemporaryDirectory() as tmp:
+    encoder = st_tiny.save_tiny_encoder(os.path.join(tmp, "enc"))
+    model = st_tiny.load_encoder(encoder)
+    losses = st_tiny.train(model, st_tiny.make_loss("mnrl", model), "mnrl", os.path.join(tmp, "w"))
+counts = sys.modules["lik_plugins"].routing_counts() if "lik_plugins" in sys.modules else {}
+print(json.dumps({"losses": losses, "counts": counts}))
+"""
+
+
+@pytest.fixture(scope="module")
+def vanilla():
+    return _run(TRAIN)
+
+
+@pytest.mark.parametrize("value", ["sentence_transformers", "pylate,sentence-transformers"])
+def test_zero_code_training_is_routed_and_matches(vanilla, value):
+    patched = _run(TRAIN, LIK_PATCH=value)
+    assert vanilla["counts"] == {}
+    assert patched["counts"]["sentence_transformers.maxsim"] == {"torch-chunked": 2}  # one launch a step
+    assert patched["losses"] == pytest.approx(vanilla["losses"], abs=1e-5)
