@@ -127,16 +127,19 @@ def retrieve(
 
     ``top_k`` is clamped to ``Nd``.  ``chunk`` scores the corpus ``chunk`` documents at a
     time and keeps a running top-k, so memory stays ``O(Nq * (k + chunk))`` for any corpus
-    size.  No gradient is computed.  ``D`` may be an fp8 index (:class:`lik_plugins.Fp8Tokens`
-    from :func:`lik_plugins.quantize_fp8`): then every chunk is scored by
-    :func:`lik_plugins.maxsim_fp8` (``Q`` quantised once) and ``normalize`` must be off --
-    normalise before quantising (``quantize_fp8(D, normalize=True)``).
+    size.  No gradient is computed.  ``D`` may be an fp8 or int8 index
+    (:class:`lik_plugins.Fp8Tokens` from :func:`lik_plugins.quantize_fp8`,
+    :class:`lik_plugins.Int8Tokens` from :func:`lik_plugins.quantize_int8`): then every chunk
+    is scored by :func:`lik_plugins.maxsim_fp8` / :func:`lik_plugins.maxsim_int8` (``Q``
+    quantised once) and ``normalize`` must be off -- normalise before quantising
+    (``quantize_int8(D, normalize=True)``).
     """
     from .fp8 import Fp8Tokens
+    from .int8 import Int8Tokens
 
-    if isinstance(D, Fp8Tokens):
-        return _retrieve_fp8(Q, D, top_k, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode, chunk=chunk,
-                             largest=largest)
+    if isinstance(D, (Fp8Tokens, Int8Tokens)):
+        return _retrieve_quantised(Q, D, top_k, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode,
+                                   chunk=chunk, largest=largest)
     check_tensor("D", D, 3)
     _check_retrieve_args(top_k, chunk)
     check_options("auto", mask_mode)
@@ -178,21 +181,26 @@ def _running_top_k(score, nq, nd, d_mask, top_k, chunk, largest, score_dtype, de
     return best_scores, best_index
 
 
-def _retrieve_fp8(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, largest):
-    from .fp8 import _as_tokens, maxsim_fp8
+def _retrieve_quantised(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, largest):
+    """retrieve over an fp8 or int8 index: the query quantised once, every chunk scored by
+    :func:`lik_plugins.maxsim_fp8` / :func:`lik_plugins.maxsim_int8`."""
+    from . import fp8, int8
 
+    kind, module = ("fp8", fp8) if isinstance(D, fp8.Fp8Tokens) else ("int8", int8)
+    maxsim_q = module.maxsim_fp8 if kind == "fp8" else module.maxsim_int8
+    as_tokens = module._as_tokens if kind == "fp8" else module.as_tokens
     _check_retrieve_args(top_k, chunk)
     if normalize:
-        raise ValueError("retrieve over an fp8 index cannot normalise: quantise normalised tokens "
-                         "(quantize_fp8(D, normalize=True)) and pass normalized queries")
+        raise ValueError(f"retrieve over an {kind} index cannot normalise: quantise normalised tokens "
+                         f"(quantize_{kind}(D, normalize=True)) and pass normalized queries")
     if D.values.dim() != 3:
-        raise ValueError(f"retrieve needs an fp8 index [Nd, Ld, d], got shape {tuple(D.values.shape)}")
-    q = _as_tokens("Q", Q, (3,))  # quantised once for every chunk
+        raise ValueError(f"retrieve needs an {kind} index [Nd, Ld, d], got shape {tuple(D.values.shape)}")
+    q = as_tokens("Q", Q, (3,))  # quantised once for every chunk
     d_mask = check_mask("d_mask", d_mask, tuple(D.values.shape[:-1]), D)
-    _routing.record("retrieve", served_by(q.values, "fp8"))
+    _routing.record("retrieve", served_by(q.values, kind))
 
     def score(start, stop, dm):
-        return maxsim_fp8(q, D.select(slice(start, stop)), q_mask, dm, mask_mode=mask_mode)
+        return maxsim_q(q, D.select(slice(start, stop)), q_mask, dm, mask_mode=mask_mode)
 
     return _running_top_k(score, q.values.shape[0], D.values.shape[0], d_mask, top_k, chunk, largest,
                           torch.float32, q.device)
