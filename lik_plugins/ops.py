@@ -16,7 +16,7 @@ from ._validate import check_mask, check_options, check_tensor, prepare
 from .kernels import reference
 from .kernels.dispatch import served_by
 
-__all__ = ["maxsim", "maxsim_pairs", "smooth_maxsim", "retrieve", "served_by"]
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_from_hidden", "smooth_maxsim", "retrieve", "served_by"]
 
 
 def _reference_requested() -> bool:
@@ -108,6 +108,60 @@ def maxsim_pairs(
     Q, D, q_mask, d_mask, _ = prepare(Q, D, q_mask, d_mask, pairs=True)
     return _score("maxsim_pairs", Q, D, q_mask, d_mask, library.PAIRS, normalize=normalize, backward=backward,
                   mask_mode=mask_mode)
+
+
+def maxsim_from_hidden(
+    Q: torch.Tensor,
+    H_d: torch.Tensor,
+    W: torch.Tensor,
+    b: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """MaxSim against documents given as hidden states: ``D = normalize(H_d @ W.T + b)`` is
+    computed tile by tile inside the scoring kernel (the projection head of a ColBERT model
+    fused into its scoring), never written to memory.
+
+    Args:
+        Q: ``[Nq, Lq, d]`` query token embeddings.
+        H_d: ``[Nd, Ld, h]`` document hidden states (the encoder's output), Q's dtype.
+        W: ``[d, h]`` projection (``nn.Linear(h, d).weight``); ``b``: ``[d]`` or None.
+        d_mask: ``[Nd, Ld]`` bool or 0/1, non-zero = valid (excluded otherwise; a document
+            with no valid token scores 0).
+        normalize: L2-normalise the query tokens and the projected document tokens.
+
+    Returns:
+        ``[Nq, Nd]`` float32 (float64 for float64 inputs).  Gradients flow into whichever of
+        ``Q``, ``H_d``, ``W``, ``b`` require them: the backward gathers the hidden states at
+        the winning positions only (each distinct one once) and projects them again; fully
+        masked documents get exact zero gradients.
+
+    Example::
+
+        >>> head = torch.nn.Linear(768, 128)
+        >>> scores = maxsim_from_hidden(Q, H, head.weight, head.bias, d_mask)
+    """
+    check_tensor("Q", Q, 3)
+    check_tensor("H_d", H_d, 3)
+    check_tensor("W", W, 2)
+    if Q.dtype != H_d.dtype or W.dtype != H_d.dtype:
+        raise TypeError(f"Q, H_d and W must share a dtype, got {Q.dtype}, {H_d.dtype}, {W.dtype}")
+    if W.shape != (Q.shape[-1], H_d.shape[-1]):
+        raise ValueError(f"W must be [d, h] = [{Q.shape[-1]}, {H_d.shape[-1]}], got {tuple(W.shape)}")
+    if b is not None:
+        check_tensor("b", b, 1)
+        if b.shape != (Q.shape[-1],):
+            raise ValueError(f"b must be [{Q.shape[-1]}], got {tuple(b.shape)}")
+        b = b.to(H_d.dtype) if b.dtype != H_d.dtype else b
+    for name, t in (("H_d", H_d), ("W", W), ("b", b)):
+        if t is not None and t.device != Q.device:
+            raise ValueError(f"{name} is on {t.device} but Q on {Q.device}")
+    d_mask = check_mask("d_mask", d_mask, tuple(H_d.shape[:2]), H_d)
+    if _reference_requested():
+        _routing.record("maxsim_from_hidden", "reference")
+        out = reference.maxsim_from_hidden(Q, H_d, W, b, d_mask, normalize=normalize)
+        return out if out.dtype == torch.float64 else out.float()
+    return library.maxsim_hidden(Q, H_d, W, b, d_mask, normalize=bool(normalize), entry="maxsim_from_hidden")
 
 
 def retrieve(
