@@ -379,8 +379,10 @@ def maxsim_residual_forward(
                                         zero_mode=False, save_argmax=save_argmax, doc_format=fmt)
     else:
         def build(start, stop):
-            return reference.decompress_residual(codes[start:stop], residuals[start:stop], centroids,
-                                                 bucket_weights, nbits).float()
+            # padding may hold any code (as in the kernel): clamp its (ignored) lookup in bounds
+            chunk_codes = codes[start:stop].clamp(0, centroids.shape[0] - 1)
+            return reference.decompress_residual(chunk_codes, residuals[start:stop], centroids, bucket_weights,
+                                                 nbits).float()
 
         scores, argmax = chunked.forward_built(Q, build, nd, ld, d_mask, normalize=normalize,
                                                save_argmax=save_argmax)

@@ -259,12 +259,15 @@ def maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights,
     """Reference of :func:`lik_plugins.plaid.maxsim_residual`: MaxSim of ``Q [Nq, Lq, d]``
     against the decompressed documents ``[Nd, Ld, d]`` (tokens past ``doc_lengths`` excluded),
     the documents cast to ``Q``'s dtype as a float index would be."""
-    D = decompress_residual(codes, residuals, centroids, bucket_weights, nbits)
+    valid = lengths_mask(doc_lengths, codes.shape[1])
+    # padding may hold any code: only valid tokens are looked up
+    D = decompress_residual(torch.where(valid, codes, torch.zeros_like(codes)), residuals, centroids,
+                            bucket_weights, nbits)
     if normalize:
         wide = torch.promote_types(Q.dtype, torch.float32)
         Q = F.normalize(Q.to(wide), p=2, dim=-1, eps=NORM_EPS)
         D = F.normalize(D.to(torch.promote_types(D.dtype, torch.float32)), p=2, dim=-1, eps=NORM_EPS)
-    return maxsim(Q, D.to(Q.dtype), None, lengths_mask(doc_lengths, codes.shape[1]))
+    return maxsim(Q, D.to(Q.dtype), None, valid)
 
 
 def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
