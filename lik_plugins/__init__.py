@@ -6,6 +6,10 @@ eagerly.  Public surface::
     maxsim, maxsim_pairs, retrieve, MaxSimScorer      # the ops
     smooth_maxsim                                     # fused tau * logsumexp(s / tau) over doc tokens
     quantize_fp8, maxsim_fp8, Fp8Tokens               # opt-in fp8 (e4m3) inference
+    quantize_int8, maxsim_int8, Int8Tokens            # opt-in int8 inference (Ampere and newer)
+    maxsim_from_hidden                                # the projection head fused into the scoring
+    maxsim_residual, maxsim_residual_varlen,          # PLAID / ColBERTv2 compressed indexes
+    plaid_approx_score                                #   (lik_plugins.plaid: compress, decompress)
     routing_counts, reset_routing_counts              # which path served each call
     patch_pylate, unpatch_pylate                      # PyLate integration
     patch_colpali_engine, unpatch_colpali_engine      # colpali-engine integration
@@ -28,6 +32,13 @@ _LAZY = {
     "quantize_fp8": ("lik_plugins.fp8", "quantize_fp8"),
     "maxsim_fp8": ("lik_plugins.fp8", "maxsim_fp8"),
     "Fp8Tokens": ("lik_plugins.fp8", "Fp8Tokens"),
+    "quantize_int8": ("lik_plugins.int8", "quantize_int8"),
+    "maxsim_int8": ("lik_plugins.int8", "maxsim_int8"),
+    "Int8Tokens": ("lik_plugins.int8", "Int8Tokens"),
+    "maxsim_from_hidden": ("lik_plugins.ops", "maxsim_from_hidden"),
+    "maxsim_residual": ("lik_plugins.plaid", "maxsim_residual"),
+    "maxsim_residual_varlen": ("lik_plugins.plaid", "maxsim_residual_varlen"),
+    "plaid_approx_score": ("lik_plugins.plaid", "plaid_approx_score"),
     "patch_pylate": ("lik_plugins.pylate", "patch_pylate"),
     "unpatch_pylate": ("lik_plugins.pylate", "unpatch_pylate"),
     "patch_colpali_engine": ("lik_plugins.colpali", "patch_colpali_engine"),

@@ -7,6 +7,12 @@ custom op with a fake (meta) kernel, and the one autograd path over them.
 ``lik::smooth_maxsim_forward`` smooth-max scores and the per-row log-sum-exp
 ``lik::smooth_maxsim_backward`` its gradients, recomputed from the log-sum-exp
 ``lik::maxsim_fp8``            fp8 (e4m3) scores, inference only
+``lik::maxsim_int8``           int8 scores (int32 products, per-token scales), inference only
+``lik::maxsim_residual_forward`` scores against PLAID residual documents (and the winners)
+``lik::maxsim_residual_backward`` grad_Q through the winners' decompressed tokens
+``lik::maxsim_hidden_forward`` scores against ``normalize(H @ W.T + b)`` built in the kernel
+``lik::maxsim_hidden_backward`` grads of Q, H, W, b through the winning hidden states
+``lik::plaid_approx_score``    PLAID's centroid-only candidate score
 =============================  ================================================================
 
 Each op picks its device path at run time, inside the op (``kernels.dispatch``), and counts
@@ -31,7 +37,7 @@ import torch
 
 from ._routing import record
 from .kernels.common import COMPACT_MAX_ROWS, argmax_dtype
-from .kernels.dispatch import implementation, served_by, sm_count
+from .kernels.dispatch import implementation, served_by, serves_width, sm_count
 
 # Layouts, passed to the ops as ints (a custom op's schema takes int, not an enum).
 CROSS, CANDIDATES, PAIRS = 0, 1, 2
@@ -67,8 +73,8 @@ def _no_tensor(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     return like.new_empty((0,), dtype=dtype)
 
 
-def _path(t: torch.Tensor, op: str, entry: str) -> str:
-    path = served_by(t, op)
+def _path(t: torch.Tensor, op: str, entry: str, dim: int = 0) -> str:
+    path = serves_width(served_by(t, op), op, dim)
     if path == "reference":
         # The public ops run the reference themselves; a compiled graph that was traced
         # before LIK_DISABLE / LIK_BACKEND=reference was set lands here: same semantics.
@@ -309,3 +315,251 @@ def maxsim_fp8(
 
     return chunked.forward(reference.dequantize_fp8(Q, q_scales), reference.dequantize_fp8(d_values, d_scales),
                            q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode, save_argmax=False)[0]
+
+
+# ----------------------------------------------------------------------------- int8
+@_registered("maxsim_int8", _fp8_fake)
+def maxsim_int8(
+    Q: torch.Tensor, q_scales: Optional[torch.Tensor], d_values: torch.Tensor, d_scales: torch.Tensor,
+    q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor], zero_mode: bool, entry: str,
+) -> torch.Tensor:
+    """int8 MaxSim: ``Q`` is int8 values with ``q_scales``, or float tokens (``q_scales``
+    None) quantised here.  The Triton kernel multiplies int8 x int8 into int32 and scales
+    each similarity by its two tokens' scales before the max (where fp8's scales go)."""
+    from .kernels import chunked, reference
+
+    path = _path(d_values, "int8", entry, d_values.shape[-1])
+    cross = d_values.dim() == 3
+    if q_scales is None:
+        Q, q_scales = reference.quantize_int8(Q)
+    if path == "triton":
+        from .kernels.triton import launch
+
+        return launch.forward(Q, d_values, q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode,
+                              save_argmax=False, scales=(q_scales.contiguous(), d_scales),
+                              doc_format=launch.DocFormat(launch.INT8))[0]
+    # No int8 kernel here: the same numbers from the dequantised tokens (fp32, 4x the bytes).
+    return chunked.forward(reference.dequantize_int8(Q, q_scales), reference.dequantize_int8(d_values, d_scales),
+                           q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode, save_argmax=False)[0]
+
+
+# ----------------------------------------------------------------------------- built documents
+def _built_forward_fake(Q, D, d_mask, normalize, save_argmax):
+    scores = Q.new_empty((Q.shape[0], D.shape[0]), dtype=_score_dtype(Q))
+    if not save_argmax:
+        return scores, _no_tensor(Q, torch.int16)
+    return scores, Q.new_empty((Q.shape[0], D.shape[0], Q.shape[1]), dtype=argmax_dtype(D.shape[1]))
+
+
+def _residual_forward_fake(Q, codes, residuals, d_mask, centroids, bucket_weights, nbits, normalize, save_argmax,
+                           entry):
+    return _built_forward_fake(Q, codes, d_mask, normalize, save_argmax)
+
+
+@_registered("maxsim_residual_forward", _residual_forward_fake)
+def maxsim_residual_forward(
+    Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tensor, d_mask: Optional[torch.Tensor],
+    centroids: torch.Tensor, bucket_weights: torch.Tensor, nbits: int, normalize: bool, save_argmax: bool,
+    entry: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of ``Q [Nq, Lq, d]`` against documents stored as PLAID residuals (codes
+    ``[Nd, Ld]`` int32, residuals ``[Nd, Ld, d*nbits/8]`` uint8, ``d_mask`` the lengths), and
+    the winners when ``save_argmax``.  The Triton kernel decompresses (and normalises) each
+    document tile on chip; the chunked path decompresses a bounded chunk of documents at a time."""
+    from .kernels import chunked, reference
+
+    path = _path(Q, "residual", entry, Q.shape[-1])
+    nd, ld = codes.shape
+    if path == "triton":
+        from .kernels.triton import launch
+
+        fmt = launch.DocFormat(launch.RESIDUAL, codes, centroids, bucket_weights, (0, *codes.stride()),
+                               centroids.shape[0], nbits)
+        scores, argmax = launch.forward(Q, residuals, None, d_mask, cross=True, normalize=normalize,
+                                        zero_mode=False, save_argmax=save_argmax, doc_format=fmt)
+    else:
+        def build(start, stop):
+            # padding may hold any code (as in the kernel): clamp its (ignored) lookup in bounds
+            chunk_codes = codes[start:stop].clamp(0, centroids.shape[0] - 1)
+            return reference.decompress_residual(chunk_codes, residuals[start:stop], centroids, bucket_weights,
+                                                 nbits).float()
+
+        scores, argmax = chunked.forward_built(Q, build, nd, ld, d_mask, normalize=normalize,
+                                               save_argmax=save_argmax)
+    return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
+
+
+def _residual_backward_fake(grad, Q, codes, residuals, centroids, bucket_weights, argmax, nbits, normalize):
+    return Q.new_empty(Q.shape)
+
+
+@_registered("maxsim_residual_backward", _residual_backward_fake)
+def maxsim_residual_backward(
+    grad: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tensor, centroids: torch.Tensor,
+    bucket_weights: torch.Tensor, argmax: torch.Tensor, nbits: int, normalize: bool,
+) -> torch.Tensor:
+    """grad_Q: each winning token is decompressed once (only those), on every path."""
+    from .kernels import chunked, reference
+
+    ld, rbytes = residuals.shape[1], residuals.shape[2]
+    positions, inverse, ok = chunked.winner_positions(argmax, ld)
+    rows = reference.decompress_residual(codes.reshape(-1)[positions], residuals.reshape(-1, rbytes)[positions],
+                                         centroids, bucket_weights, nbits).float()
+    if normalize:
+        rows = rows * chunked.inverse_norms(rows).unsqueeze(-1)
+    gq, _ = chunked.backward_built(grad, Q, inverse, ok, rows, normalize=normalize, need_q=True, need_rows=False)
+    return gq
+
+
+class _ResidualMaxSim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Q, codes, residuals, d_mask, centroids, bucket_weights, options):
+        nbits, normalize, entry = options
+        scores, argmax = maxsim_residual_forward(Q, codes, residuals, d_mask, centroids, bucket_weights, nbits,
+                                                 normalize, True, entry)
+        ctx.save_for_backward(Q, codes, residuals, centroids, bucket_weights, argmax)
+        ctx.options = (nbits, normalize)
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad):
+        Q, codes, residuals, centroids, bucket_weights, argmax = ctx.saved_tensors
+        nbits, normalize = ctx.options
+        gq = maxsim_residual_backward(grad.contiguous(), Q, codes, residuals, centroids, bucket_weights, argmax,
+                                      nbits, normalize)
+        return gq, None, None, None, None, None, None
+
+
+def maxsim_residual(Q, codes, residuals, d_mask, centroids, bucket_weights, *, nbits: int, normalize: bool,
+                    entry: str) -> torch.Tensor:
+    """Validated inputs in, scores out (autograd into ``Q`` when it requires grad)."""
+    if torch.is_grad_enabled() and Q.requires_grad:
+        return _ResidualMaxSim.apply(Q, codes, residuals, d_mask, centroids, bucket_weights,
+                                     (nbits, normalize, entry))
+    return maxsim_residual_forward(Q, codes, residuals, d_mask, centroids, bucket_weights, nbits, normalize,
+                                   False, entry)[0]
+
+
+def _hidden_forward_fake(Q, H, W, b, d_mask, normalize, save_argmax, entry):
+    return _built_forward_fake(Q, H, d_mask, normalize, save_argmax)
+
+
+def _project_hidden(H, W, b):
+    """``H @ W.T + b`` in fp32 (fp64 for fp64 inputs): the tokens the kernel builds."""
+    cdt = torch.float64 if H.dtype == torch.float64 else torch.float32
+    return torch.nn.functional.linear(H.to(cdt), W.to(cdt), None if b is None else b.to(cdt))
+
+
+@_registered("maxsim_hidden_forward", _hidden_forward_fake)
+def maxsim_hidden_forward(
+    Q: torch.Tensor, H: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor], d_mask: Optional[torch.Tensor],
+    normalize: bool, save_argmax: bool, entry: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of ``Q [Nq, Lq, d]`` against ``normalize(H @ W.T + b)`` (``H [Nd, Ld, h]``,
+    ``W [d, h]``), and the winners when ``save_argmax``.  The Triton kernel projects each
+    document tile on chip; the chunked path projects a bounded chunk of documents at a time."""
+    from .kernels import chunked
+
+    path = _path(Q, "hidden", entry, Q.shape[-1])
+    nd, ld = H.shape[0], H.shape[1]
+    if path == "triton":
+        from .kernels.triton import launch
+
+        fmt = launch.DocFormat(launch.HIDDEN, W.contiguous(), b, None, (0, 0, 0), H.shape[-1], 0, b is not None)
+        scores, argmax = launch.forward(Q, H, None, d_mask, cross=True, normalize=normalize, zero_mode=False,
+                                        save_argmax=save_argmax, doc_format=fmt)
+    else:
+        scores, argmax = chunked.forward_built(Q, lambda i, j: _project_hidden(H[i:j], W, b), nd, ld, d_mask,
+                                               normalize=normalize, save_argmax=save_argmax)
+    return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
+
+
+def _hidden_backward_fake(grad, Q, H, W, b, argmax, normalize, need_q, need_h, need_w, need_b):
+    return tuple(x.new_empty(x.shape) if need and x is not None else _no_tensor(Q)
+                 for x, need in ((Q, need_q), (H, need_h), (W, need_w), (b, need_b)))
+
+
+@_registered("maxsim_hidden_backward", _hidden_backward_fake)
+def maxsim_hidden_backward(
+    grad: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor],
+    argmax: torch.Tensor, normalize: bool, need_q: bool, need_h: bool, need_w: bool, need_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_Q, grad_H, grad_W, grad_b)`` (empty where not needed): the hidden states at
+    the winning positions are gathered (each distinct one once), projected and normalised
+    again, and the gradient flows back through that small product only."""
+    from .kernels import chunked
+
+    ld, hidden = H.shape[1], H.shape[2]
+    positions, inverse, ok = chunked.winner_positions(argmax, ld)
+    need_rows = need_h or need_w or need_b
+    h_rows = H.reshape(-1, hidden)[positions]
+    rows = _project_hidden(h_rows, W, b)                                        # [U, d] fp32
+    inv = chunked.inverse_norms(rows) if normalize else None
+    rows_hat = rows * inv.unsqueeze(-1) if normalize else rows
+    gq, g_hat = chunked.backward_built(grad, Q, inverse, ok, rows_hat, normalize=normalize, need_q=need_q,
+                                       need_rows=need_rows)
+    grads = [gq if need_q else _no_tensor(Q), _no_tensor(Q), _no_tensor(Q), _no_tensor(Q)]
+    if need_rows:
+        # through the normalisation, then the affine map: d rows = g_rows, dW = g^T h, db = sum g
+        g_rows = chunked.project_out_norm(g_hat, rows, inv) if normalize else g_hat
+        if need_h:
+            full = torch.zeros((H.shape[0] * ld, hidden), dtype=H.dtype, device=H.device)
+            full[positions] = (g_rows @ W.to(g_rows.dtype)).to(H.dtype)
+            grads[1] = full.view(H.shape)
+        if need_w:
+            grads[2] = (g_rows.t() @ h_rows.to(g_rows.dtype)).to(W.dtype)
+        if need_b:
+            grads[3] = g_rows.sum(0).to(b.dtype)
+    return tuple(grads)
+
+
+class _HiddenMaxSim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Q, H, W, b, d_mask, options):
+        normalize, entry = options
+        scores, argmax = maxsim_hidden_forward(Q, H, W, b, d_mask, normalize, True, entry)
+        ctx.save_for_backward(Q, H, W, b, argmax)
+        ctx.normalize = normalize
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad):
+        Q, H, W, b, argmax = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gq, gh, gw, gb = maxsim_hidden_backward(grad.contiguous(), Q, H, W, b, argmax, ctx.normalize, need[0],
+                                                need[1], need[2], b is not None and need[3])
+        return (gq if need[0] else None), (gh if need[1] else None), (gw if need[2] else None), \
+            (gb if b is not None and need[3] else None), None, None
+
+
+def maxsim_hidden(Q, H, W, b, d_mask, *, normalize: bool, entry: str) -> torch.Tensor:
+    """Validated inputs in, scores out (autograd into whichever of Q, H, W, b require grad)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (Q, H, W, b)):
+        return _HiddenMaxSim.apply(Q, H, W, b, d_mask, (normalize, entry))
+    return maxsim_hidden_forward(Q, H, W, b, d_mask, normalize, False, entry)[0]
+
+
+# ----------------------------------------------------------------------------- PLAID pruning
+def _approx_fake(query_centroid_scores, codes, d_mask):
+    return query_centroid_scores.new_empty((codes.shape[0],), dtype=torch.float32)
+
+
+@_registered("plaid_approx_score", _approx_fake)
+def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor, d_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` fp32: ``sum_s max_{valid t} S[s, codes[b, t]]`` (0 for an empty document), a
+    bounded chunk of documents at a time (a gather and a max: torch on every device)."""
+    from ._config import chunk_elements
+
+    record("plaid_approx_score", "torch-chunked")
+    scores_t = query_centroid_scores.float().t().contiguous()                  # [C, Lq]: one row per code
+    n, ld = codes.shape
+    out = torch.empty((n,), dtype=torch.float32, device=codes.device)
+    step = max(1, min(max(n, 1), chunk_elements() // max(ld * scores_t.shape[1], 1)))
+    for start in range(0, n, step):
+        c = codes[start:start + step].long()
+        m = d_mask[start:start + step]
+        sim = scores_t[c]                                                      # [b, Ld, Lq]
+        best = sim.masked_fill(~m.unsqueeze(-1), float("-inf")).amax(1)
+        best = torch.where(m.any(1, keepdim=True), best, torch.zeros_like(best))
+        out[start:start + step] = best.sum(-1)
+    return out

@@ -16,7 +16,7 @@ from ._validate import check_mask, check_options, check_tensor, prepare
 from .kernels import reference
 from .kernels.dispatch import served_by
 
-__all__ = ["maxsim", "maxsim_pairs", "smooth_maxsim", "retrieve", "served_by"]
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_from_hidden", "smooth_maxsim", "retrieve", "served_by"]
 
 
 def _reference_requested() -> bool:
@@ -110,6 +110,60 @@ def maxsim_pairs(
                   mask_mode=mask_mode)
 
 
+def maxsim_from_hidden(
+    Q: torch.Tensor,
+    H_d: torch.Tensor,
+    W: torch.Tensor,
+    b: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """MaxSim against documents given as hidden states: ``D = normalize(H_d @ W.T + b)`` is
+    computed tile by tile inside the scoring kernel (the projection head of a ColBERT model
+    fused into its scoring), never written to memory.
+
+    Args:
+        Q: ``[Nq, Lq, d]`` query token embeddings.
+        H_d: ``[Nd, Ld, h]`` document hidden states (the encoder's output), Q's dtype.
+        W: ``[d, h]`` projection (``nn.Linear(h, d).weight``); ``b``: ``[d]`` or None.
+        d_mask: ``[Nd, Ld]`` bool or 0/1, non-zero = valid (excluded otherwise; a document
+            with no valid token scores 0).
+        normalize: L2-normalise the query tokens and the projected document tokens.
+
+    Returns:
+        ``[Nq, Nd]`` float32 (float64 for float64 inputs).  Gradients flow into whichever of
+        ``Q``, ``H_d``, ``W``, ``b`` require them: the backward gathers the hidden states at
+        the winning positions only (each distinct one once) and projects them again; fully
+        masked documents get exact zero gradients.
+
+    Example::
+
+        >>> head = torch.nn.Linear(768, 128)
+        >>> scores = maxsim_from_hidden(Q, H, head.weight, head.bias, d_mask)
+    """
+    check_tensor("Q", Q, 3)
+    check_tensor("H_d", H_d, 3)
+    check_tensor("W", W, 2)
+    if Q.dtype != H_d.dtype or W.dtype != H_d.dtype:
+        raise TypeError(f"Q, H_d and W must share a dtype, got {Q.dtype}, {H_d.dtype}, {W.dtype}")
+    if W.shape != (Q.shape[-1], H_d.shape[-1]):
+        raise ValueError(f"W must be [d, h] = [{Q.shape[-1]}, {H_d.shape[-1]}], got {tuple(W.shape)}")
+    if b is not None:
+        check_tensor("b", b, 1)
+        if b.shape != (Q.shape[-1],):
+            raise ValueError(f"b must be [{Q.shape[-1]}], got {tuple(b.shape)}")
+        b = b.to(H_d.dtype) if b.dtype != H_d.dtype else b
+    for name, t in (("H_d", H_d), ("W", W), ("b", b)):
+        if t is not None and t.device != Q.device:
+            raise ValueError(f"{name} is on {t.device} but Q on {Q.device}")
+    d_mask = check_mask("d_mask", d_mask, tuple(H_d.shape[:2]), H_d)
+    if _reference_requested():
+        _routing.record("maxsim_from_hidden", "reference")
+        out = reference.maxsim_from_hidden(Q, H_d, W, b, d_mask, normalize=normalize)
+        return out if out.dtype == torch.float64 else out.float()
+    return library.maxsim_hidden(Q, H_d, W, b, d_mask, normalize=bool(normalize), entry="maxsim_from_hidden")
+
+
 def retrieve(
     Q: torch.Tensor,
     D: torch.Tensor,
@@ -127,16 +181,19 @@ def retrieve(
 
     ``top_k`` is clamped to ``Nd``.  ``chunk`` scores the corpus ``chunk`` documents at a
     time and keeps a running top-k, so memory stays ``O(Nq * (k + chunk))`` for any corpus
-    size.  No gradient is computed.  ``D`` may be an fp8 index (:class:`lik_plugins.Fp8Tokens`
-    from :func:`lik_plugins.quantize_fp8`): then every chunk is scored by
-    :func:`lik_plugins.maxsim_fp8` (``Q`` quantised once) and ``normalize`` must be off --
-    normalise before quantising (``quantize_fp8(D, normalize=True)``).
+    size.  No gradient is computed.  ``D`` may be an fp8 or int8 index
+    (:class:`lik_plugins.Fp8Tokens` from :func:`lik_plugins.quantize_fp8`,
+    :class:`lik_plugins.Int8Tokens` from :func:`lik_plugins.quantize_int8`): then every chunk
+    is scored by :func:`lik_plugins.maxsim_fp8` / :func:`lik_plugins.maxsim_int8` (``Q``
+    quantised once) and ``normalize`` must be off -- normalise before quantising
+    (``quantize_int8(D, normalize=True)``).
     """
     from .fp8 import Fp8Tokens
+    from .int8 import Int8Tokens
 
-    if isinstance(D, Fp8Tokens):
-        return _retrieve_fp8(Q, D, top_k, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode, chunk=chunk,
-                             largest=largest)
+    if isinstance(D, (Fp8Tokens, Int8Tokens)):
+        return _retrieve_quantised(Q, D, top_k, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode,
+                                   chunk=chunk, largest=largest)
     check_tensor("D", D, 3)
     _check_retrieve_args(top_k, chunk)
     check_options("auto", mask_mode)
@@ -178,21 +235,26 @@ def _running_top_k(score, nq, nd, d_mask, top_k, chunk, largest, score_dtype, de
     return best_scores, best_index
 
 
-def _retrieve_fp8(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, largest):
-    from .fp8 import _as_tokens, maxsim_fp8
+def _retrieve_quantised(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, largest):
+    """retrieve over an fp8 or int8 index: the query quantised once, every chunk scored by
+    :func:`lik_plugins.maxsim_fp8` / :func:`lik_plugins.maxsim_int8`."""
+    from . import fp8, int8
 
+    kind, module = ("fp8", fp8) if isinstance(D, fp8.Fp8Tokens) else ("int8", int8)
+    maxsim_q = module.maxsim_fp8 if kind == "fp8" else module.maxsim_int8
+    as_tokens = module._as_tokens if kind == "fp8" else module.as_tokens
     _check_retrieve_args(top_k, chunk)
     if normalize:
-        raise ValueError("retrieve over an fp8 index cannot normalise: quantise normalised tokens "
-                         "(quantize_fp8(D, normalize=True)) and pass normalized queries")
+        raise ValueError(f"retrieve over an {kind} index cannot normalise: quantise normalised tokens "
+                         f"(quantize_{kind}(D, normalize=True)) and pass normalized queries")
     if D.values.dim() != 3:
-        raise ValueError(f"retrieve needs an fp8 index [Nd, Ld, d], got shape {tuple(D.values.shape)}")
-    q = _as_tokens("Q", Q, (3,))  # quantised once for every chunk
+        raise ValueError(f"retrieve needs an {kind} index [Nd, Ld, d], got shape {tuple(D.values.shape)}")
+    q = as_tokens("Q", Q, (3,))  # quantised once for every chunk
     d_mask = check_mask("d_mask", d_mask, tuple(D.values.shape[:-1]), D)
-    _routing.record("retrieve", served_by(q.values, "fp8"))
+    _routing.record("retrieve", served_by(q.values, kind))
 
     def score(start, stop, dm):
-        return maxsim_fp8(q, D.select(slice(start, stop)), q_mask, dm, mask_mode=mask_mode)
+        return maxsim_q(q, D.select(slice(start, stop)), q_mask, dm, mask_mode=mask_mode)
 
     return _running_top_k(score, q.values.shape[0], D.values.shape[0], d_mask, top_k, chunk, largest,
                           torch.float32, q.device)

@@ -1,10 +1,11 @@
-"""How much fp8 (e4m3) scoring changes rankings, on the recipes' offline retrieval set.
+"""How much fp8 (e4m3) and int8 scoring change rankings, on the recipes' offline retrieval set.
 
 Encodes the standard-library docstring pairs of ``recipes/_common.py`` (query = a
 function's summary, its one relevant passage = the rest of its documentation) with a
 PyLate ColBERT model -- by default the bundled all-MiniLM-L6-v2, no download -- and ranks
-every passage for every query three ways: fp32 tokens, bf16 tokens (the baseline: what
-a bf16 model serves) and fp8 tokens (``lik_plugins.quantize_fp8`` + ``maxsim_fp8``).
+every passage for every query four ways: fp32 tokens, bf16 tokens (the baseline: what
+a bf16 model serves), fp8 tokens (``lik_plugins.quantize_fp8`` + ``maxsim_fp8``) and int8
+tokens (``lik_plugins.quantize_int8`` + ``maxsim_int8``).
 
 Reported against bf16: the share of queries whose top-10 list is identical (same
 documents, same order), whose top-10 *set* is identical, whose top-1 is identical, and
@@ -64,6 +65,7 @@ def score_all(emb: dict, device: str) -> dict:
             "bf16": lik.maxsim(Q.bfloat16(), D.bfloat16(), d_mask=dm),
             # an fp8 index is quantised from the model's own output; the query on the fly
             "fp8": lik.maxsim_fp8(Q, lik.quantize_fp8(D), d_mask=dm),
+            "int8": lik.maxsim_int8(Q, lik.quantize_int8(D), d_mask=dm),
         }
     return {k: v.float().cpu() for k, v in out.items()}
 
@@ -110,7 +112,7 @@ def fidelity(scores: dict) -> dict:
 
 def markdown(report: dict, meta: dict) -> str:
     lines = [
-        f"# fp8 ranking fidelity — {meta['device']}",
+        f"# fp8 / int8 ranking fidelity — {meta['device']}",
         "",
         f"{report['queries']} queries × {report['passages']} passages (standard-library docstring pairs, "
         f"one relevant passage each), model `{meta['model']}`; baseline: bf16 tokens. "

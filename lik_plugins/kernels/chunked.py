@@ -206,3 +206,78 @@ def smooth_backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need
             if need_d:
                 gd[qs] = torch.einsum("akst,ash->akth", w, qc)
     return gq, gd
+
+
+# --------------------------------------------------------------------------- built documents
+# Documents that are made on the fly from something else -- PLAID residuals, hidden states
+# through a projection head -- are built chunk by chunk (never the whole corpus at once) and
+# scored like float tokens; the backward rebuilds only the tokens that won a max.
+
+def forward_built(Q, build, n_docs, ld, d_mask, *, normalize, save_argmax):
+    """Cross-product scores of ``Q [Nq, Lq, d]`` against ``n_docs`` documents of ``ld`` tokens,
+    ``build(start, stop) -> [stop - start, ld, d]`` fp32 (unnormalised) making them a chunk
+    at a time.  Each built token is normalised in fp32 (``normalize``) and rounded to
+    ``Q``'s dtype, as the Triton kernel does.  Returns (scores, argmax or None)."""
+    nq, lq, dim = Q.shape
+    out_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    scores = torch.empty((nq, n_docs), dtype=out_dtype, device=Q.device)
+    argmax = torch.empty((nq, n_docs, lq), dtype=argmax_dtype(ld), device=Q.device) if save_argmax else None
+    step = _rows_per_chunk(ld * max(dim, 1), n_docs)
+    for start in range(0, n_docs, step):
+        stop = min(n_docs, start + step)
+        docs = build(start, stop)
+        if normalize:
+            docs = docs * inverse_norms(docs).unsqueeze(-1)
+        dm = None if d_mask is None else d_mask[start:stop]
+        part, arg = forward(Q, docs.to(Q.dtype), None, dm, cross=True, normalize=normalize, zero_mode=False,
+                            save_argmax=save_argmax)
+        scores[:, start:stop] = part
+        if argmax is not None:
+            argmax[:, start:stop] = arg
+    return scores, argmax
+
+
+def winner_positions(argmax: torch.Tensor, ld: int):
+    """``(positions, inverse, ok)`` of the saved winners ``[Nq, NJ, Lq]`` of a cross product:
+    the distinct flat token ids ``j * ld + t`` that won somewhere (sorted), each winner's
+    index into them, and which rows had a winner at all."""
+    ok = argmax >= 0
+    nj = argmax.shape[1]
+    flat = torch.arange(nj, device=argmax.device).view(1, nj, 1) * ld + argmax.long().clamp_min(0)
+    positions, inverse = torch.unique(flat[ok], sorted=True, return_inverse=True)
+    full_inverse = torch.zeros(flat.shape, dtype=torch.long, device=flat.device)
+    full_inverse[ok] = inverse
+    return positions, full_inverse, ok
+
+
+def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize, need_q, need_rows):
+    """Gradients of cross-product scores through the winners, for documents whose winning
+    tokens ``rows_hat [U, d]`` (fp32, normalised when ``normalize``; one per entry of
+    :func:`winner_positions`' ``positions``, whose ``inverse`` and ``ok`` come along) were
+    rebuilt.  Returns ``(grad_Q or None, grad_rows_hat [U, d] or None)``: the gradient at
+    each distinct winning token."""
+    nq, lq, dim = Q.shape
+    cdt = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    rq = inverse_norms(Q) if normalize else None
+    gq = torch.zeros((nq, lq, dim), dtype=cdt, device=Q.device) if need_q else None
+    g_rows = torch.zeros((rows_hat.shape[0], dim), dtype=cdt, device=Q.device) if need_rows else None
+    rows_hat = rows_hat.to(cdt)
+    nj = inverse.shape[1]
+    cq = _rows_per_chunk(nj * lq * dim, nq)
+    for q0 in range(0, nq, cq):
+        qs = slice(q0, q0 + cq)
+        inv = inverse[qs]
+        weight = grad[qs].to(cdt).unsqueeze(-1) * ok[qs].to(cdt)                # [a, NJ, Lq]
+        if need_q:
+            gathered = rows_hat[inv.reshape(-1)].view(*inv.shape, dim).masked_fill(~ok[qs].unsqueeze(-1), 0)
+            gq[qs] = torch.einsum("ajs,ajsh->ash", weight, gathered)
+        if need_rows:
+            qh = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
+            contrib = (weight.unsqueeze(-1) * qh.unsqueeze(1)).masked_fill(~ok[qs].unsqueeze(-1), 0)
+            g_rows.index_add_(0, inv.reshape(-1), contrib.reshape(-1, dim))
+    grad_q = None
+    if need_q:
+        if normalize:
+            gq = project_out_norm(gq, Q.to(cdt), rq.to(cdt))
+        grad_q = gq.to(Q.dtype)
+    return grad_q, g_rows

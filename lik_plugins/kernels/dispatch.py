@@ -15,7 +15,11 @@ Every registered op (``lik_plugins.library``) asks :func:`served_by` for a path 
   plain formulation (:mod:`lik_plugins.kernels.reference`) themselves.
 
 Per-op rules: ``op="smooth"`` sends embeddings wider than ``SMOOTH_FUSED_MAX_DIM`` to the
-chunked path under ``auto``; ``op="fp8"`` needs fp8 matrix units (capability 8.9+).
+chunked path under ``auto``; ``op="fp8"`` needs fp8 matrix units (capability 8.9+);
+``op="int8"`` (int8 tokens), ``"residual"`` (PLAID residual documents) and ``"hidden"``
+(the fused projection head) take the Triton kernels on capability 8.0+ and the chunked path
+elsewhere, MPS included (no Metal kernels for them).  Their embeddings must be at most
+``BUILT_OPERAND_MAX_DIM`` wide for the kernel (``serves_width``).
 
 ``served_by`` is a pure function of the tensor's device/dtype and the environment, so host
 adapters can record routing without running anything.
@@ -33,7 +37,21 @@ from .._config import disabled, forced_backend, triton_interpret
 from .common import SMOOTH_FUSED_MAX_DIM
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-OPS = ("maxsim", "smooth", "fp8")
+OPS = ("maxsim", "smooth", "fp8", "int8", "residual", "hidden")
+# ops whose tensors are quantised values, not float tokens (no dtype check)
+_QUANTISED_OPS = ("fp8", "int8")
+# ops without Metal kernels: MPS tensors take the chunked path
+_NO_METAL_OPS = ("fp8", "int8", "residual", "hidden")
+# int8, residual and hidden documents: the kernel holds a whole token in one K tile
+BUILT_OPERAND_MAX_DIM = 256
+
+
+def serves_width(path: str, op: str, dim: int) -> str:
+    """``path`` for an ``op`` whose embeddings are ``dim`` wide: the chunked path where the
+    Triton kernel cannot take that width (int8 / residual / hidden above 256)."""
+    if path == "triton" and op in ("int8", "residual", "hidden") and dim > BUILT_OPERAND_MAX_DIM:
+        return "torch-chunked"
+    return path
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +76,7 @@ def capability(index: int | None) -> tuple[int, int]:
 def _triton_serves(t: torch.Tensor, op: str) -> tuple[bool, str]:
     if not triton_available():
         return False, "triton is not installed"
-    if op != "fp8" and t.dtype not in KERNEL_DTYPES:
+    if op not in _QUANTISED_OPS and t.dtype not in KERNEL_DTYPES:
         return False, f"the Triton kernels take fp16/bf16/fp32, got {t.dtype}"
     if t.is_cuda:
         need = (8, 9) if op == "fp8" else (8, 0)
@@ -73,7 +91,7 @@ def _triton_serves(t: torch.Tensor, op: str) -> tuple[bool, str]:
 
 def served_by(t: torch.Tensor, op: str = "maxsim") -> str:
     """Path name (as in :func:`lik_plugins.routing_counts`) that serves ``op`` on tensors
-    like ``t`` now (``op``: ``"maxsim"`` -- also pairs --, ``"smooth"`` or ``"fp8"``)."""
+    like ``t`` now (``op``: one of :data:`OPS`; ``"maxsim"`` covers pairs too)."""
     if disabled():
         return "reference"
     forced = forced_backend()
@@ -85,7 +103,7 @@ def served_by(t: torch.Tensor, op: str = "maxsim") -> str:
     if forced in ("torch-chunked", "reference"):
         return forced
     if t.device.type == "mps":
-        return "metal" if op != "fp8" and _metal_serves(t) else "torch-chunked"
+        return "metal" if op not in _NO_METAL_OPS and _metal_serves(t) else "torch-chunked"
     if op == "fp8":
         # the interpreter runs fp8 products too (CI covers the kernel without LIK_BACKEND)
         ok = _triton_serves(t, op)[0] and (t.is_cuda or triton_interpret())

@@ -164,3 +164,127 @@ def smooth_maxsim(Q: torch.Tensor, D: torch.Tensor, *, tau: float, layout: str =
     else:
         sim = torch.einsum("ash,akth->akst", Q, D)
     return (tau * torch.logsumexp(sim / tau, dim=-1)).sum(dim=-1)
+
+
+# ----------------------------------------------------------------------------- int8
+INT8_MAX = 127  # symmetric: -127..127 (the code -128 is never produced)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)``: int8 values ``[..., L, d]`` and fp32 per-token scales ``[..., L]``.
+
+    Symmetric per token: ``scale = max_h |x_h| / 127`` (1 for an all-zero token), values
+    ``round_half_even(x / scale)`` in ``-127..127``.  Token ``t`` is ``values[t] * scales[t]``."""
+    amax = x.abs().amax(dim=-1).float()
+    # a tensor divisor, as in quantize_fp8: the spec must not depend on the device's scalar division
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, float(INT8_MAX)), torch.ones_like(amax))
+    values = torch.round(x.float() / scales.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return values, scales
+
+
+def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tokens an int8 pair stands for: ``values * scales`` in ``dtype``."""
+    return values.to(dtype) * scales.to(dtype).unsqueeze(-1)
+
+
+def maxsim_int8(
+    Q: tuple[torch.Tensor, torch.Tensor],
+    D: tuple[torch.Tensor, torch.Tensor],
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    mask_mode: str = "exclude",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Reference of :func:`lik_plugins.maxsim_int8`: MaxSim of the dequantised tokens.
+    (The kernels take exact int32 products and multiply by the two scales: the same
+    number up to fp32 rounding.)"""
+    return maxsim(dequantize_int8(*Q, dtype), dequantize_int8(*D, dtype), q_mask, d_mask, mask_mode=mask_mode)
+
+
+# ----------------------------------------------------------------------------- PLAID residuals
+# ColBERTv2's residual format (Santhanam et al., 2022, "ColBERTv2", section 3.3; colbert-ai's
+# ResidualCodec): a token ``x`` is stored as the id ``c`` of its nearest centroid and, per
+# dimension, the bucket ``b_h`` of the residual ``x_h - C[c, h]`` among ``2**nbits`` buckets
+# (cut at ``bucket_cutoffs``); it decompresses to ``C[c, h] + bucket_weights[b_h]``.
+# Bit layout: the buckets of a token form one bit stream, dimension by dimension, each
+# bucket written least significant bit first; the stream is packed into bytes most
+# significant bit first (numpy.packbits' default order).  So dimension ``h``'s bit ``k``
+# sits in byte ``(h * nbits + k) // 8`` at bit ``7 - (h * nbits + k) % 8`` (bit 0 = the
+# byte's least significant).  With nbits in (1, 2, 4, 8) a bucket never straddles a byte.
+PLAID_NBITS = (1, 2, 4, 8)
+
+
+def residual_bytes(dim: int, nbits: int) -> int:
+    """Bytes of one token's packed residual: ``dim * nbits / 8``."""
+    return dim * nbits // 8
+
+
+def pack_buckets(buckets: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Bucket ids ``[N, d]`` (0 .. 2**nbits - 1) -> packed residuals ``[N, d * nbits / 8]`` uint8."""
+    n, dim = buckets.shape
+    shifts = torch.arange(nbits, device=buckets.device)
+    bits = (buckets.long().unsqueeze(-1) >> shifts) & 1                       # [N, d, nbits], LSB first
+    bits = bits.reshape(n, dim * nbits // 8, 8)                                # the stream, 8 bits a byte
+    weights = (1 << torch.arange(7, -1, -1, device=buckets.device))            # first bit = the MSB
+    return (bits * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_buckets(residuals: torch.Tensor, nbits: int, dim: int) -> torch.Tensor:
+    """Packed residuals ``[..., d * nbits / 8]`` uint8 -> bucket ids ``[..., d]`` (int64)."""
+    lead = residuals.shape[:-1]
+    shifts = torch.arange(7, -1, -1, device=residuals.device)
+    bits = (residuals.long().unsqueeze(-1) >> shifts) & 1                     # [..., R, 8], MSB first
+    bits = bits.reshape(*lead, dim, nbits)
+    return (bits << torch.arange(nbits, device=residuals.device)).sum(-1)
+
+
+def decompress_residual(codes: torch.Tensor, residuals: torch.Tensor, centroids: torch.Tensor,
+                        bucket_weights: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Tokens ``[..., d]`` (centroids' dtype) of codes ``[...]`` and residuals ``[..., d*nbits/8]``:
+    ``centroids[code] + bucket_weights[bucket]``, summed in fp32 (fp64 for fp64 centroids)."""
+    dim = centroids.shape[-1]
+    cdt = torch.float64 if centroids.dtype == torch.float64 else torch.float32
+    buckets = unpack_buckets(residuals, nbits, dim)
+    out = centroids.to(cdt)[codes.long()] + bucket_weights.to(cdt)[buckets]
+    return out.to(centroids.dtype)
+
+
+def lengths_mask(doc_lengths: torch.Tensor, ld: int) -> torch.Tensor:
+    """``[Nd, Ld]`` bool: token ``t`` of document ``j`` is valid when ``t < doc_lengths[j]``."""
+    return torch.arange(ld, device=doc_lengths.device)[None, :] < doc_lengths.to(torch.long)[:, None]
+
+
+def maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits, *, normalize=True):
+    """Reference of :func:`lik_plugins.plaid.maxsim_residual`: MaxSim of ``Q [Nq, Lq, d]``
+    against the decompressed documents ``[Nd, Ld, d]`` (tokens past ``doc_lengths`` excluded),
+    the documents cast to ``Q``'s dtype as a float index would be."""
+    valid = lengths_mask(doc_lengths, codes.shape[1])
+    # padding may hold any code: only valid tokens are looked up
+    D = decompress_residual(torch.where(valid, codes, torch.zeros_like(codes)), residuals, centroids,
+                            bucket_weights, nbits)
+    if normalize:
+        wide = torch.promote_types(Q.dtype, torch.float32)
+        Q = F.normalize(Q.to(wide), p=2, dim=-1, eps=NORM_EPS)
+        D = F.normalize(D.to(torch.promote_types(D.dtype, torch.float32)), p=2, dim=-1, eps=NORM_EPS)
+    return maxsim(Q, D.to(Q.dtype), None, valid)
+
+
+def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
+                       doc_lengths: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`lik_plugins.plaid.plaid_approx_score`: ``[Lq, C]`` centroid scores of
+    one query, codes ``[B, Ld]`` -> ``[B]``: ``sum_s max_{t < len} S[s, codes[t]]`` (0 for an
+    empty document)."""
+    sim = query_centroid_scores[:, codes.long()]                                # [Lq, B, Ld]
+    valid = lengths_mask(doc_lengths, codes.shape[1])
+    best = sim.masked_fill(~valid[None], float("-inf")).amax(-1)
+    best = torch.where(valid.any(-1)[None], best, torch.zeros_like(best))
+    return best.sum(0)
+
+
+# ----------------------------------------------------------------------------- projection head
+def maxsim_from_hidden(Q, H_d, W, b=None, d_mask=None, *, normalize=True):
+    """Reference of :func:`lik_plugins.maxsim_from_hidden`: ``D = H_d @ W.T (+ b)``, then
+    MaxSim (``normalize``: both sides L2-normalised), masked document tokens excluded."""
+    D = F.linear(H_d, W, b)
+    return maxsim(Q, D, None, d_mask, normalize=normalize)

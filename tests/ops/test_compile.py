@@ -142,3 +142,82 @@ def test_fake_kernels_agree_with_the_real_ops():
     for op, args in cases:
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def _compressed_inputs(seed):
+    from lik_plugins import plaid
+
+    g = torch.Generator().manual_seed(seed)
+    emb = F.normalize(torch.randn(5 * 9, 16, generator=g), dim=-1)
+    centroids = F.normalize(torch.randn(6, 16, generator=g), dim=-1)
+    index = plaid.compress(emb, centroids, 4)
+    lengths = torch.tensor([9, 0, 4, 7, 1])
+    return (index.codes.view(5, 9), index.residuals.view(5, 9, -1), lengths, centroids, index.bucket_weights)
+
+
+@pytest.mark.parametrize("backend", ["torch-chunked", "triton"])
+def test_compiled_compressed_ops_equal_eager(monkeypatch, backend):
+    """maxsim_residual (grad into Q), maxsim_from_hidden (grads into Q, H, W, b) and
+    maxsim_int8 under torch.compile(fullgraph=True): values and gradients equal eager."""
+    from lik_plugins._config import triton_interpret
+
+    if backend == "triton" and not triton_interpret():
+        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+    monkeypatch.setenv("LIK_BACKEND", backend)
+    codes, residuals, lengths, centroids, weights = _compressed_inputs(4)
+    g = torch.Generator().manual_seed(6)
+    Q = torch.randn(3, 4, 16, generator=g, requires_grad=True)
+    H = torch.randn(5, 9, 24, generator=g, requires_grad=True)
+    W = torch.randn(16, 24, generator=g, requires_grad=True)
+    b = torch.randn(16, generator=g, requires_grad=True)
+    dm = torch.rand(5, 9, generator=g) > 0.3
+    dm[2] = False
+
+    def f(Q, H, W, b):
+        r = lik.maxsim_residual(Q, codes, residuals, lengths, centroids, weights, 4)
+        h = lik.maxsim_from_hidden(Q, H, W, b, dm)
+        return (r.square().sum() + (h * r).sum()), r, h
+
+    def run(fn):
+        loss, r, h = fn(Q, H, W, b)
+        return (r.detach(), h.detach(), *torch.autograd.grad(loss, (Q, H, W, b)))
+
+    compiled = run(torch.compile(f, fullgraph=True, dynamic=False))
+    for got, want in zip(compiled, run(f)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    index = lik.quantize_int8(torch.randn(5, 9, 16, generator=g))
+
+    def score(q, values, scales):
+        return lik.maxsim_int8(q, lik.Int8Tokens(values, scales))
+
+    with torch.no_grad():
+        q = Q.detach()
+        torch.testing.assert_close(torch.compile(score, fullgraph=True)(q, *index), score(q, *index), rtol=0, atol=0)
+
+
+def test_fake_kernels_of_the_compressed_ops():
+    from lik_plugins import library
+    from lik_plugins.kernels import reference
+
+    codes, residuals, lengths, centroids, weights = _compressed_inputs(8)
+    g = torch.Generator().manual_seed(3)
+    Q = torch.randn(2, 4, 16, generator=g)
+    H, W, b = torch.randn(5, 9, 24, generator=g), torch.randn(16, 24, generator=g), torch.randn(16, generator=g)
+    dm = reference.lengths_mask(lengths, 9)
+    scores, argmax = library.maxsim_residual_forward(Q, codes, residuals, dm, centroids, weights, 4, True, True, "")
+    _, h_argmax = library.maxsim_hidden_forward(Q, H, W, b, dm, True, True, "")
+    qv, qs = reference.quantize_int8(Q)
+    dv, ds = reference.quantize_int8(H[..., :16])
+    grad = torch.randn(2, 5, generator=g)
+    cases = [
+        (library.maxsim_residual_forward.op, (Q, codes, residuals, dm, centroids, weights, 4, True, True, "")),
+        (library.maxsim_residual_backward.op, (grad, Q, codes, residuals, centroids, weights, argmax, 4, True)),
+        (library.maxsim_hidden_forward.op, (Q, H, W, b, dm, False, True, "")),
+        (library.maxsim_hidden_forward.op, (Q, H, W, None, None, True, False, "")),
+        (library.maxsim_hidden_backward.op, (grad, Q, H, W, b, h_argmax, True, True, True, True, True)),
+        (library.maxsim_hidden_backward.op, (grad, Q, H, W, None, h_argmax, False, False, True, False, False)),
+        (library.maxsim_int8.op, (qv, qs, dv, ds, None, dm, False, "")),
+        (library.plaid_approx_score.op, (torch.randn(4, 6, generator=g), codes, dm)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -43,13 +43,89 @@ def quantize_e4m3_rows(x, FP8_LIMIT: tl.constexpr):
     return y, scale
 
 
+# Document formats (``DOC_FORMAT``): how a tile's ``[BLOCK_K, WIDTH]`` operand is made.
+DENSE: tl.constexpr = 0      # float tokens D [.., Ld, d]
+INT8: tl.constexpr = 1       # int8 tokens; the int32 products are scaled by RQ / RD like fp8's
+RESIDUAL: tl.constexpr = 2   # PLAID residuals: D = packed residual bytes, A0 = codes, A1 = centroids, A2 = bucket weights
+HIDDEN: tl.constexpr = 3     # projection head: D = hidden states H [.., Ld, h], A0 = W [d, h], A1 = bias [d]
+
+
 @triton.jit
-def _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
-              UPCAST: tl.constexpr):
+def _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, n_centroids,
+                   BLOCK_K: tl.constexpr, NBITS: tl.constexpr):
+    """Decompressed tokens ``[BLOCK_K, WIDTH]`` fp32 (zeros outside ``m_t`` and ``dim``):
+    ``centroids[code] + bucket_weights[bucket]``, the bucket read from the packed residual
+    bits (reference.py documents the layout: each dimension's ``NBITS`` bits least
+    significant first, packed into bytes most significant first)."""
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < dim
+    code = tl.load(p_a0 + o_t * s_a0t, mask=m_t, other=0)
+    # a padding token may hold any code: keep its (ignored) centroid lookup in bounds
+    code = tl.minimum(tl.maximum(code, 0), n_centroids - 1).to(tl.int64)
+    m = m_k[:, None] & m_t[None, :]
+    first_bit = o_k * NBITS                                                       # [BK] in the stream
+    byte = tl.load(p_d + o_t[None, :] * s_dt + (first_bit // 8)[:, None] * s_dh, mask=m, other=0).to(tl.int32)
+    shift = 8 - NBITS - first_bit % 8                                             # [BK]
+    field = (byte >> shift[:, None]) & ((1 << NBITS) - 1)                         # stream order, MSB = bit 0
+    bucket = tl.zeros_like(field)
+    for k in tl.static_range(NBITS):
+        bucket = bucket | (((field >> (NBITS - 1 - k)) & 1) << k)                 # bit-reverse the field
+    weight = tl.load(A2 + bucket, mask=m, other=0.0).to(tl.float32)
+    centroid = tl.load(A1 + code[None, :] * dim + o_k[:, None], mask=m, other=0.0).to(tl.float32)
+    return tl.where(m, centroid + weight, 0.0)
+
+
+@triton.jit
+def _hidden_tile(p_d, A0, A1, o_t, m_t, dim, s_dt, s_dh, n_hidden, WIDTH: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """Projected tokens ``W @ H[t] + b`` as ``[BLOCK_K, WIDTH]`` fp32, ``W [dim, n_hidden]``
+    contiguous, accumulated over ``BLOCK_H``-wide slices of the hidden state."""
+    o_k = tl.arange(0, BLOCK_K)
+    o_h = tl.arange(0, BLOCK_H)
+    m_k = o_k < dim
+    acc = tl.zeros([BLOCK_K, WIDTH], tl.float32)
+    for h0 in range(0, n_hidden, BLOCK_H):
+        hh = h0 + o_h
+        m_h = hh < n_hidden
+        w = tl.load(A0 + o_k[:, None].to(tl.int64) * n_hidden + hh[None, :], mask=m_k[:, None] & m_h[None, :],
+                    other=0.0)                                                    # [BK, BH]
+        x = tl.load(p_d + o_t[None, :] * s_dt + hh[:, None] * s_dh, mask=m_h[:, None] & m_t[None, :],
+                    other=0.0)                                                    # [BH, WIDTH]
+        if UPCAST:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w, x, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(A1 + o_k, mask=m_k, other=0.0).to(tl.float32)[:, None]
+    return tl.where(m_k[:, None] & m_t[None, :], acc, 0.0)
+
+
+@triton.jit
+def _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n,
+              WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr, UPCAST: tl.constexpr,
+              DOC_FORMAT: tl.constexpr, NBITS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+              NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
     """Document tokens ``n0 .. n0 + WIDTH`` as the MMA's ``[BLOCK_K, WIDTH]`` operand (zeros
     past the document) when the whole embedding is one K tile; otherwise a placeholder (the
-    K loop of :func:`_tile_similarities` loads its own slices)."""
-    if BLOCK_K == D_PAD:
+    K loop of :func:`_tile_similarities` loads its own slices).
+
+    ``DOC_FORMAT`` RESIDUAL / HIDDEN build the operand from the compressed tokens or the
+    hidden states (fp32, L2-normalised here when ``NORMALIZE``: the whole token is in the
+    tile), so the documents are never written to memory; they need ``BLOCK_K == D_PAD``."""
+    if DOC_FORMAT == RESIDUAL or DOC_FORMAT == HIDDEN:
+        o_t = n0 + tl.arange(0, WIDTH)
+        m_t = o_t < ld
+        if DOC_FORMAT == RESIDUAL:
+            b_d = _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, aux_n, BLOCK_K, NBITS)
+        else:
+            b_d = _hidden_tile(p_d, p_a0, A1, o_t, m_t, dim, s_dt, s_dh, aux_n, WIDTH, BLOCK_K, BLOCK_H, HAS_BIAS,
+                               PRECISION, UPCAST)
+        if NORMALIZE:
+            # x / max(||x||, 1e-12), as reference.NORM_EPS
+            norm = tl.sqrt(tl.sum(b_d * b_d, axis=0))
+            b_d = b_d / tl.maximum(norm, 1e-12)[None, :]
+    elif BLOCK_K == D_PAD:
         o_t = n0 + tl.arange(0, WIDTH)
         o_k = tl.arange(0, BLOCK_K)
         b_d = tl.load(p_d + o_t[None, :] * s_dt + o_k[:, None] * s_dh,
@@ -66,7 +142,7 @@ def _tile_similarities(
     b_q, b_d, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
     HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, DOC_FORMAT: tl.constexpr = 0,
 ):
     """Similarities of the program's query rows with document tokens ``n0 .. n0 + WIDTH``
     (``[BLOCK_M, WIDTH]`` fp32, -inf where a token is past the document or masked), their
@@ -75,7 +151,13 @@ def _tile_similarities(
     o_t = n0 + tl.arange(0, WIDTH)
     o_k = tl.arange(0, BLOCK_K)
     m_col = o_t < ld
-    if BLOCK_K == D_PAD:
+    if DOC_FORMAT == INT8:
+        # int8 x int8 on the integer matrix units: exact int32 sums, scaled per element below
+        b_s = tl.dot(b_q, b_d, out_dtype=tl.int32).to(tl.float32)
+    elif DOC_FORMAT == RESIDUAL or DOC_FORMAT == HIDDEN:
+        # the built (normalised) fp32 tokens, rounded to the query's dtype like a float index
+        b_s = tl.dot(b_q, b_d.to(b_q.dtype), input_precision=PRECISION)
+    elif BLOCK_K == D_PAD:
         b_s = tl.dot(b_q, b_d, input_precision=PRECISION)                          # [BM, BK] @ [BK, WIDTH]
     else:
         b_s = tl.zeros([BLOCK_M, WIDTH], tl.float32)
@@ -89,7 +171,7 @@ def _tile_similarities(
                 b_qk = b_qk.to(tl.float32)
                 b_dk = b_dk.to(tl.float32)
             b_s = tl.dot(b_qk, b_dk, b_s, input_precision=PRECISION)
-    if NORMALIZE:
+    if NORMALIZE and DOC_FORMAT != RESIDUAL and DOC_FORMAT != HIDDEN:   # those normalise in _doc_tile
         b_rd = tl.load(p_rd + o_t, mask=m_col, other=0.0)
         b_s = b_s * b_rd[None, :]
     if HAS_DM:
@@ -119,10 +201,11 @@ def _merge_tile(b_s, o_t, b_max, b_arg, SAVE_ARG: tl.constexpr):
 
 @triton.jit
 def _document_row_max(
-    b_q, p_q, m_row, p_d, p_dm, p_rd, ld, dim, s_qh, s_dt, s_dh, s_dmt,
+    b_q, p_q, m_row, p_d, p_dm, p_rd, ld, dim, s_qh, s_dt, s_dh, s_dmt, p_a0, A1, A2, s_a0t, aux_n,
     HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr, NORMALIZE: tl.constexpr, SAVE_ARG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, RUNNING_MAX: tl.constexpr, TAIL_N: tl.constexpr,
+    DOC_FORMAT: tl.constexpr, NBITS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """One document against the program's query rows, tile by tile: each row's max
     similarity (NaN-propagating), its winning column when SAVE_ARG, and the zero-mode floor
@@ -155,12 +238,14 @@ def _document_row_max(
         # The tail tile's tokens are loaded now and used after the main loop: outside the
         # loop's software pipeline its load would be waited for in full (on an H100 a tail
         # tile loaded in place cost nearly a whole tile; NOTES v18).
-        b_d_tail = _doc_tile(p_d, ld_main, ld, dim, s_dt, s_dh, TAIL_N, BLOCK_K, D_PAD, UPCAST)
+        b_d_tail = _doc_tile(p_d, ld_main, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n, TAIL_N, BLOCK_K, D_PAD,
+                             UPCAST, DOC_FORMAT, NBITS, BLOCK_H, HAS_BIAS, NORMALIZE, PRECISION)
     for n0 in range(0, ld_main, BLOCK_N):
-        b_d = _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, BLOCK_N, BLOCK_K, D_PAD, UPCAST)
+        b_d = _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n, BLOCK_N, BLOCK_K, D_PAD,
+                        UPCAST, DOC_FORMAT, NBITS, BLOCK_H, HAS_BIAS, NORMALIZE, PRECISION)
         b_s, o_t, b_floor = _tile_similarities(
             b_q, b_d, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
-            HAS_DM, ZERO_MODE, NORMALIZE, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION)
+            HAS_DM, ZERO_MODE, NORMALIZE, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION, DOC_FORMAT)
         if RUNNING_MAX:
             if SAVE_ARG:
                 b_run_n0 = tl.where(b_s > b_run, n0, b_run_n0)
@@ -179,10 +264,11 @@ def _document_row_max(
         # (BLOCK_N 128 can leave a second tail tile: Ld % 128 > 64 with TAIL_N 64 or less)
         for n0 in range(ld_main, ld, TAIL_N):
             if n0 > ld_main:
-                b_d_tail = _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, TAIL_N, BLOCK_K, D_PAD, UPCAST)
+                b_d_tail = _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n, TAIL_N, BLOCK_K,
+                                     D_PAD, UPCAST, DOC_FORMAT, NBITS, BLOCK_H, HAS_BIAS, NORMALIZE, PRECISION)
             b_s, o_t, b_floor = _tile_similarities(
                 b_q, b_d_tail, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
-                HAS_DM, ZERO_MODE, NORMALIZE, BLOCK_M, TAIL_N, BLOCK_K, D_PAD, UPCAST, PRECISION)
+                HAS_DM, ZERO_MODE, NORMALIZE, BLOCK_M, TAIL_N, BLOCK_K, D_PAD, UPCAST, PRECISION, DOC_FORMAT)
             b_max, b_arg = _merge_tile(b_s, o_t, b_max, b_arg, SAVE_ARG)
     return b_max, b_arg, b_floor
 
@@ -212,7 +298,7 @@ def _store_document(
 # Lengths, and strides that follow them without mattering for vector loads (mask, norm,
 # argmax and score strides), are not specialised: a new length compiles nothing (launch.py).
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks", "size_class", "s_qmi", "s_dmi",
-                               "s_dmj", "s_rdi", "s_rdj"])
+                               "s_dmj", "s_rdi", "s_rdj", "s_a0i", "s_a0j", "aux_n"])
 def maxsim_fwd_kernel(
     Q, D, QM, DM, RQ, RD, OUT, ARG,
     n_q, n_j, lq, ld, dim,
@@ -225,6 +311,9 @@ def maxsim_fwd_kernel(
     # size_class: not read by the kernel; the autotuner's key holds it, so a launch of a
     # different size class (``tuning.size_class``) is tuned for itself (launch.py)
     size_class,
+    # the document operand's other inputs (DOC_FORMAT, see _doc_tile): A0 per document at
+    # (s_a0i, s_a0j) like D, token stride s_a0t; aux_n: centroids (RESIDUAL) or hidden size (HIDDEN)
+    A0, A1, A2, s_a0i, s_a0j, s_a0t, aux_n,
     HAS_QM: tl.constexpr, HAS_DM: tl.constexpr, ZERO_MODE: tl.constexpr,
     # NORMALIZE: scale similarities by per-token factors RQ [n_q, lq] and RD (per document
     # token): inverse norms, or the fp8 path's dequantisation scales.  Both are > 0, so
@@ -241,6 +330,7 @@ def maxsim_fwd_kernel(
     # TAIL_N: width of the tiles that cover a document's last ``Ld % BLOCK_N`` tokens (0:
     # the last BLOCK_N tile, masked).  Chosen by the host from Ld (``launch.tail_tile``).
     TAIL_N: tl.constexpr = 0,
+    DOC_FORMAT: tl.constexpr = 0, NBITS: tl.constexpr = 0, BLOCK_H: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
     pid = tl.program_id(0)
@@ -284,8 +374,9 @@ def maxsim_fwd_kernel(
             DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj,
             RD + q_first * s_rdi + i_j.to(tl.int64) * s_rdj,
             ld, dim, s_qh, s_dt, s_dh, s_dmt,
+            A0 + q_first * s_a0i + i_j.to(tl.int64) * s_a0j, A1, A2, s_a0t, aux_n,
             HAS_DM, ZERO_MODE, NORMALIZE, SAVE_ARG, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION, RUNNING_MAX,
-            TAIL_N,
+            TAIL_N, DOC_FORMAT, NBITS, BLOCK_H, HAS_BIAS,
         )
         if NORMALIZE:
             if QUANT_Q:

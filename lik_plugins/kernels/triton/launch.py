@@ -242,6 +242,42 @@ class _ForwardPlan(NamedTuple):
     n_chunks: int
     arg_dtype: torch.dtype | None
     empty: bool            # nothing to compute: zeros (and an argmax of -1)
+    aux_ints: tuple = (0, 0, 0, 0)   # the document operand's strides and size (DocFormat)
+
+
+# Document operands other than float tokens (forward.py ``DOC_FORMAT``).
+DENSE, INT8, RESIDUAL, HIDDEN = 0, 1, 2, 3
+
+
+class DocFormat(NamedTuple):
+    """How the forward builds its document operand when ``D`` is not float tokens:
+
+    * ``INT8``: ``D`` int8 tokens (``Q`` int8 too); the scales come in ``scales``.
+    * ``RESIDUAL``: ``D`` the packed residuals ``[.., Ld, d*nbits/8]`` uint8, ``a0`` the codes
+      ``[.., Ld]`` int32, ``a1`` the centroids ``[C, d]`` contiguous, ``a2`` the bucket
+      weights ``[2**nbits]`` fp32; ``aux_n = C``.
+    * ``HIDDEN``: ``D`` the hidden states ``[.., Ld, h]``, ``a0`` the projection ``W [d, h]``
+      contiguous, ``a1`` its bias ``[d]`` (``has_bias``); ``aux_n = h``.
+
+    ``a0_strides``: (query, document, token) strides of ``a0`` as ``D``'s (0 where ``a0``
+    is shared by every document)."""
+    kind: int
+    a0: torch.Tensor | None = None
+    a1: torch.Tensor | None = None
+    a2: torch.Tensor | None = None
+    a0_strides: tuple = (0, 0, 0)
+    aux_n: int = 0
+    nbits: int = 0
+    has_bias: bool = False
+
+    def key(self) -> tuple:
+        dtypes = tuple(None if t is None else t.dtype for t in (self.a0, self.a1, self.a2))
+        return (self.kind, dtypes, self.a0_strides, self.aux_n, self.nbits, self.has_bias)
+
+
+def _hidden_block(dtype: torch.dtype) -> int:
+    # slices of the hidden state per projection step: [d, BLOCK_H] of W and [BLOCK_H, BLOCK_N] of H
+    return 32 if dtype == torch.float32 else 64
 
 
 # Forward plans by the call's geometry (shapes, strides, dtype, device, mask and option
@@ -261,17 +297,20 @@ def clear_plans() -> None:
     direct.clear()
 
 
-def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm):
+def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm, fmt=None):
     """(plan, after_launch): ``after_launch`` is not None while the autotuner still has to
     run, and then the plan is for this call only."""
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
+    kind = DENSE if fmt is None else fmt.kind
+    built = kind in (RESIDUAL, HIDDEN)   # the operand is built in Q's dtype inside the kernel
     # float queries against e4m3 documents: the kernel quantises the query rows itself
-    quant_q = Q.dtype != D.dtype
-    elem = D.element_size()  # of the MMA's operands
-    # the MMA's K is at least 16 (16-bit) or 32 (fp8) elements
+    quant_q = Q.dtype != D.dtype and not built
+    elem = Q.element_size() if built else D.element_size()  # of the MMA's operands
+    # the MMA's K is at least 16 (16-bit) or 32 (fp8, int8) elements
     d_pad = max(32 if elem == 1 else 16, next_pow2(dim))
     assert not quant_q or (elem == 1 and k_tile(d_pad) == d_pad), "fused query quantisation: fp8 D, d <= 256"
+    assert kind == DENSE or k_tile(d_pad) == d_pad, "int8 / residual / hidden documents: d <= 256"
     rows, qpb, n_chunks, dpp = forward_blocking(nq, lq, nj, ld, cross=cross, elem=elem, d_pad=d_pad,
                                                 save_argmax=save_argmax)
     n_qblocks = cdiv(nq, qpb)
@@ -285,8 +324,9 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     s_qmi, s_qms = s_qm if has_qm else (0, 0)
     running_max = RUNNING_ARGMAX if save_argmax else (RUNNING_MAX and elem == 1)
     n_programs = nj // dpp * n_qblocks * n_chunks
+    tune_dtype = (Q.dtype, D.dtype) if quant_q else (Q.dtype, D.dtype, kind) if built else Q.dtype
     kernel, meta, after_launch = forward_kernel_and_meta(
-        rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=(Q.dtype, D.dtype) if quant_q else Q.dtype,
+        rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=tune_dtype,
         n_programs=n_programs, save_arg=save_argmax, running_max=running_max, docs_per_program=dpp,
     )
     ints = (
@@ -302,44 +342,55 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
         HAS_QM=has_qm, HAS_DM=has_dm, ZERO_MODE=bool(zero_mode),
         NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
-        UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(D.dtype),
+        UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype if built else D.dtype),
         RUNNING_MAX=running_max, QUANT_Q=quant_q, DOCS_PER_PROGRAM=dpp, TAIL_N=tail_tile(ld, rows * qpb),
         **meta,
     )
+    aux_ints = (0, 0, 0, 0)
+    if fmt is not None:
+        meta.update(DOC_FORMAT=kind, NBITS=fmt.nbits, HAS_BIAS=fmt.has_bias, BLOCK_H=_hidden_block(Q.dtype))
+        aux_ints = (*fmt.a0_strides, fmt.aux_n)
     grid = (n_programs,)
-    return _ForwardPlan(kernel, grid, ints, meta, out_shape, n_chunks, arg_dtype, False), after_launch
+    return _ForwardPlan(kernel, grid, ints, meta, out_shape, n_chunks, arg_dtype, False, aux_ints), after_launch
 
 
-def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, scales=None):
+def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, scales=None,
+            doc_format: DocFormat | None = None):
     """Scores (and the argmax when ``save_argmax``).  ``scales = (q_scales [Nq, Lq],
     d_scales [.., Ld])`` (fp32, contiguous) multiply every similarity by its two tokens'
-    scales -- the fp8 path's dequantisation; the kernel applies them exactly where it
-    applies inverse norms, so ``normalize`` must be off.  ``q_scales = None`` with float
+    scales -- the fp8 and int8 paths' dequantisation; the kernel applies them exactly where
+    it applies inverse norms, so ``normalize`` must be off.  ``q_scales = None`` with float
     ``Q`` and e4m3 ``D``: the kernel quantises the query rows itself (``QUANT_Q``; the
-    embedding dim must be at most 256), with the numbers of a separate quantisation."""
+    embedding dim must be at most 256), with the numbers of a separate quantisation.
+    ``doc_format``: documents that are not float tokens (:class:`DocFormat`); residual and
+    hidden documents are normalised inside the kernel when ``normalize``."""
     device = Q.device
     qm = _mask_bytes(q_mask, device)
     dm = _mask_bytes(d_mask, device)
     placeholder = _placeholder(device, torch.float32)
+    built = doc_format is not None and doc_format.kind in (RESIDUAL, HIDDEN)
     if scales is not None:
-        assert not normalize and not save_argmax, "scaled (fp8) scores are inference-only and never normalised"
+        assert not normalize and not save_argmax, "scaled (fp8/int8) scores are inference-only and never normalised"
         rq, rd = scales
         rq = placeholder if rq is None else rq
     else:
         rq = inverse_norms(Q) if normalize else placeholder
-        rd = inverse_norms(D) if normalize else placeholder
+        rd = inverse_norms(D) if normalize and not built else placeholder
     scaled = bool(normalize) or scales is not None
     has_qm, has_dm = q_mask is not None, d_mask is not None
     s_qm = qm.stride() if has_qm else None
     s_dm = dm.stride() if has_dm else None
+    aux = (placeholder,) * 3 if doc_format is None else \
+        tuple(placeholder if t is None else t for t in (doc_format.a0, doc_format.a1, doc_format.a2))
     # the kernel reads RQ as [Nq, Lq] contiguous and RD through its strides
     key = (Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, device, cross, scaled, bool(zero_mode),
-           bool(save_argmax), s_qm, s_dm, rd.stride() if scaled else None)
+           bool(save_argmax), s_qm, s_dm, rd.stride() if scaled else None,
+           None if doc_format is None else doc_format.key())
     plan = _FORWARD_PLANS.get(key)
     after_launch = None
     if plan is None:
         plan, after_launch = _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm,
-                                           s_dm)
+                                           s_dm, doc_format)
         if after_launch is None:
             if len(_FORWARD_PLANS) >= direct.MAX_PLANS:  # shapes that never repeat: start over
                 _FORWARD_PLANS.clear()
@@ -353,8 +404,9 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     scores = torch.empty(plan.out_shape, dtype=torch.float32, device=device)
     # Q, D and the masks are the caller's (views at any offset); the rest is ours
     launch(plan.kernel, plan.grid,
-           (Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else placeholder, *plan.ints),
-           plan.meta, static_key=key if after_launch is None else None, caller_tensors=(Q, D, qm, dm, rq, rd))
+           (Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else placeholder, *plan.ints, *aux,
+            *plan.aux_ints),
+           plan.meta, static_key=key if after_launch is None else None, caller_tensors=(Q, D, qm, dm, rq, rd, *aux))
     if after_launch is not None:
         after_launch()
     return (scores if plan.n_chunks == 1 else scores.sum(0)), argmax

@@ -1,0 +1,158 @@
+"""int8 inference: quantise token embeddings once, score them on the integer matrix units.
+
+The fp8 path's twin for GPUs without fp8 matrix units (Ampere, compute capability 8.0+)
+and for halving an index's storage against bf16.  Each token keeps one fp32 scale (its
+largest component maps to 127); the kernel multiplies int8 x int8 into exact int32 sums
+and scales each similarity by its query and document token's scales *before* the row
+max -- the document scale varies along the reduced axis, so it cannot wait until after.
+What that does to rankings is measured in ``recipes/fp8_fidelity.py``.
+
+    >>> index = quantize_int8(D)                # once, when the corpus is encoded
+    >>> scores = maxsim_int8(Q, index)          # Q quantised on the fly
+
+Where it runs: the Triton kernel on CUDA GPUs of compute capability 8.0+ (and under
+``TRITON_INTERPRET=1`` with ``LIK_BACKEND=triton``); elsewhere the same scores from the
+dequantised fp32 tokens (chunked path).  ``LIK_DISABLE=1`` routes to the reference.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _routing, library
+from ._config import disabled, forced_backend
+from ._validate import check_geometry, check_options
+from .fp8 import _check_source
+from .kernels import reference
+
+__all__ = ["Int8Tokens", "quantize_int8", "maxsim_int8"]
+
+
+class Int8Tokens(NamedTuple):
+    """Quantised token embeddings: ``values`` int8 ``[..., L, d]``, ``scales`` fp32 ``[..., L]``.
+
+    ``values[..., t, :] * scales[..., t]`` is token ``t``.  Slice both alike
+    (:meth:`select`) to take a part of an index.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def select(self, index) -> "Int8Tokens":
+        """The same leading-dimension ``index`` (int, slice, tensor) of values and scales."""
+        return Int8Tokens(self.values[index], self.scales[index])
+
+    def to(self, device) -> "Int8Tokens":
+        return Int8Tokens(self.values.to(device), self.scales.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return reference.dequantize_int8(self.values, self.scales, dtype)
+
+
+def _quantize(x: torch.Tensor) -> Int8Tokens:
+    values, scales = reference.quantize_int8(x)
+    return Int8Tokens(values.contiguous(), scales.contiguous())
+
+
+def quantize_int8(x: torch.Tensor, *, normalize: bool = False) -> Int8Tokens:
+    """Per-token symmetric int8 quantisation of ``x [..., L, d]`` (float16/bfloat16/float32/float64):
+    ``scale = max|x| / 127``, ``values = round(x / scale)`` (see ``reference.quantize_int8``).
+
+    ``normalize=True`` L2-normalises each token first (cosine-similarity models quantise
+    their unit vectors).  Raises on NaN/inf (one reduction and a host sync).
+
+    Example::
+
+        >>> index = quantize_int8(torch.randn(100, 180, 128), normalize=True)
+        >>> index.values.dtype, index.scales.shape
+        (torch.int8, torch.Size([100, 180]))
+    """
+    _check_source("quantize_int8's input", x)
+    with torch.no_grad():
+        if normalize:
+            x = torch.nn.functional.normalize(x.float(), p=2, dim=-1, eps=reference.NORM_EPS)
+        if x.numel() and not bool(torch.isfinite(x.abs().amax(dim=-1)).all()):
+            raise ValueError("quantize_int8: the tokens contain NaN or inf")
+        return _quantize(x)
+
+
+def as_tokens(name: str, x, rank: tuple[int, ...], quantize: bool = True):
+    """``x`` checked, as :class:`Int8Tokens` -- or, for a float tensor with ``quantize=False``,
+    the checked tensor itself (the op quantises it)."""
+    if isinstance(x, torch.Tensor):
+        _check_source(name, x)
+        if x.dim() not in rank:
+            raise ValueError(f"{name} must be {' or '.join(f'{r}-D' for r in rank)}, got shape {tuple(x.shape)}")
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError(
+                f"maxsim_int8 is inference-only and {name} requires grad; train with lik_plugins.maxsim, "
+                "or call maxsim_int8 under torch.no_grad()"
+            )
+        if not quantize:
+            return x
+        with torch.no_grad():
+            return _quantize(x)
+    if not isinstance(x, Int8Tokens):
+        raise TypeError(f"{name} must be a float tensor or Int8Tokens (from quantize_int8), got {type(x).__name__}")
+    values, scales = x
+    if values.dtype != torch.int8:
+        raise TypeError(f"{name}.values must be torch.int8, got {values.dtype}")
+    if values.dim() not in rank:
+        raise ValueError(f"{name} must be {' or '.join(f'{r}-D' for r in rank)}, got shape {tuple(values.shape)}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != tuple(values.shape[:-1]):
+        raise ValueError(
+            f"{name}.scales must be float32 of shape {tuple(values.shape[:-1])}, "
+            f"got {scales.dtype} {tuple(scales.shape)}"
+        )
+    if scales.device != values.device:
+        raise ValueError(f"{name}.scales is on {scales.device} but {name}.values on {values.device}")
+    return Int8Tokens(values, scales.contiguous())
+
+
+def maxsim_int8(
+    Q,
+    D,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    mask_mode: str = "exclude",
+) -> torch.Tensor:
+    """MaxSim scores from int8 tokens, like :func:`lik_plugins.maxsim` (no gradient).
+
+    Args:
+        Q: ``[Nq, Lq, d]`` float tensor (quantised here, per token) or :class:`Int8Tokens`.
+        D: ``[Nd, Ld, d]`` (cross product -> ``[Nq, Nd]``) or ``[Nq, K, Ld, d]`` (per-query
+            candidates -> ``[Nq, K]``), float tensor or :class:`Int8Tokens` -- quantise an
+            index once with :func:`quantize_int8` and reuse it.
+        q_mask, d_mask, mask_mode: as in :func:`lik_plugins.maxsim`.
+
+    Returns:
+        float32 scores of the dequantised tokens (``reference.maxsim_int8``).
+
+    Example::
+
+        >>> index = quantize_int8(torch.randn(8, 30, 64))
+        >>> maxsim_int8(torch.randn(2, 5, 64), index).shape
+        torch.Size([2, 8])
+    """
+    check_options("auto", mask_mode)
+    d = as_tokens("D", D, (3, 4))
+    q = as_tokens("Q", Q, (3,), quantize=False)
+    q_values, q_scales = (q, None) if isinstance(q, torch.Tensor) else q
+    q_mask, d_mask, _ = check_geometry(q_values, d.values, q_mask, d_mask)
+    with torch.no_grad():
+        if disabled() or forced_backend() == "reference":
+            _routing.record("maxsim_int8", "reference")
+            q = q if q_scales is not None else Int8Tokens(*reference.quantize_int8(q_values))
+            return reference.maxsim_int8(q, d, q_mask, d_mask, mask_mode=mask_mode)
+        return library.maxsim_int8(q_values, q_scales, d.values, d.scales, q_mask, d_mask, mask_mode == "zero",
+                                   "maxsim_int8")
