@@ -4,14 +4,14 @@ PyLate's own ``rerank`` loops over the queries: it right-pads each query's candi
 zeros (``pad_sequence``), calls ``colbert_scores`` without masks, sorts, and moves the scores
 to the host -- one padded copy, one launch and one synchronisation per query.  Here every
 candidate of every query is packed once and scored by one :func:`lik_plugins.score_pairs_packed`
-launch (query ``i`` against each of its own candidates), then all lists are sorted in one call.
+launch (query ``i`` against each of its own candidates), then the lists are sorted and read back in one transfer.
 
 Same numbers as PyLate's: its zero padding takes part in the max (a zero vector scores exactly
 0), so a candidate shorter than the longest of its query's list gets one zero token appended
 (one zero scores as many zeros would); the others are packed as they are.  Scores are cast to
 PyLate's output dtype (the embeddings' dtype) before they are read, as PyLate reads them.
-Order: descending score; ties keep the candidates' order (a stable sort, as ``torch.sort`` on
-the CPU orders them in PyLate's own loop).  Output: PyLate's ``list[list[RerankResult]]``.
+Order: each list is sorted by the same ``torch.sort(descending=True)`` call PyLate makes, so
+exact ties come out in PyLate's order.  Output: PyLate's ``list[list[RerankResult]]``.
 
 Anything this cannot serve exactly (mixed dtypes or devices, an empty candidate list, more
 candidates than ids, ...) runs PyLate's own ``rerank`` (which raises its own errors), under
@@ -119,14 +119,17 @@ def _rerank_packed(ops, queries, candidates, ids, target, src):
     with torch.no_grad():
         flat = score_pairs_packed(Q, D, cu_q, cu_d, pair_q, pair_d, max_seqlen_q=max_q, max_seqlen_d=max_d)
     flat = flat.to(dtype)            # PyLate's scores are in the embeddings' dtype
-    # every list sorted in one call: a [Nq, C_max] table padded with -inf past each list
-    width = max(counts)
-    table = torch.full((len(counts), width), float("-inf"), dtype=dtype, device=target)
-    col = torch.arange(len(pair_q), device=target) - torch.repeat_interleave(
-        torch.tensor([0] + counts[:-1]).cumsum(0).to(target), torch.tensor(counts).to(target))
-    table[pair_q.long(), col] = flat
-    values, order = torch.sort(table, dim=1, descending=True, stable=True)
-    values, order = values.cpu().tolist(), order.cpu().tolist()
+    # Each list sorted by the very call PyLate makes on it (same length, dtype and device), so
+    # exact ties come out in PyLate's order -- torch.sort is not stable there, and a batched
+    # or stable sort orders ties differently; then one transfer for every list.
+    parts = [torch.sort(part, descending=True) for part in torch.split(flat, counts)]
+    values = torch.cat([v for v, _ in parts]).cpu().tolist()
+    order = torch.cat([i for _, i in parts]).cpu().tolist()
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    values = [values[a:b] for a, b in zip(starts[:-1], starts[1:])]
+    order = [order[a:b] for a, b in zip(starts[:-1], starts[1:])]
     results = []
     for n, ids_q, vals, idx in zip(counts, ids, values, order):
         results.append([{"id": ids_q[i], "score": v} for i, v in zip(idx[:n], vals[:n])])
