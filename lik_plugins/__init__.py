@@ -4,6 +4,8 @@ Importing this package is cheap: it never imports Triton, PyLate or colpali-engi
 eagerly.  Public surface::
 
     maxsim, maxsim_pairs, retrieve, MaxSimScorer      # the ops
+    maxsim_varlen, score_pairs_packed, maxsim_padded  # packed (cu_seqlens), pair-list, padded+lengths
+    pack, unpack                                      # ragged tensors <-> (packed, cu_seqlens, max_seqlen)
     smooth_maxsim                                     # fused tau * logsumexp(s / tau) over doc tokens
     quantize_fp8, maxsim_fp8, Fp8Tokens               # opt-in fp8 (e4m3) inference
     quantize_int8, maxsim_int8, Int8Tokens            # opt-in int8 inference (Ampere and newer)
@@ -27,6 +29,11 @@ _LAZY = {
     "maxsim": ("lik_plugins.ops", "maxsim"),
     "maxsim_pairs": ("lik_plugins.ops", "maxsim_pairs"),
     "retrieve": ("lik_plugins.ops", "retrieve"),
+    "maxsim_varlen": ("lik_plugins.packed", "maxsim_varlen"),
+    "score_pairs_packed": ("lik_plugins.packed", "score_pairs_packed"),
+    "maxsim_padded": ("lik_plugins.packed", "maxsim_padded"),
+    "pack": ("lik_plugins.packed", "pack"),
+    "unpack": ("lik_plugins.packed", "unpack"),
     "MaxSimScorer": ("lik_plugins.modules", "MaxSimScorer"),
     "smooth_maxsim": ("lik_plugins.ops", "smooth_maxsim"),
     "quantize_fp8": ("lik_plugins.fp8", "quantize_fp8"),

@@ -78,3 +78,54 @@ def check_geometry(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask):
     q_mask = check_mask("q_mask", q_mask, (nq, lq), Q)
     d_mask = check_mask("d_mask", d_mask, tuple(D.shape[:-1]), D)
     return q_mask, d_mask, D.dim() == 3
+
+
+# ------------------------------------------------------------------ packed (cu_seqlens) inputs
+INDEX_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
+
+
+def check_index_tensor(name: str, x, owner) -> torch.Tensor:
+    """A 1-D int32/int64 tensor on ``owner``'s device.  int64 is accepted: the caller checks
+    the values, then converts to int32 (the kernels' index type)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64 (int64 is converted to int32), got {x.dtype}")
+    if x.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+    if x.device != owner.device:
+        raise ValueError(f"{name} is on {x.device} but the embeddings are on {owner.device}")
+    return x
+
+
+def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen, max_name: str):
+    """Checks of ``cu_seqlens`` against its packed tensor of ``packed_rows`` tokens: starts
+    at 0, ends at ``packed_rows``, never decreases, and no sequence is longer than
+    ``max_seqlen``.  Returns ``(ok, longest)`` as 0-d device tensors (no host sync here)."""
+    if cu.numel() == 0:
+        raise ValueError(f"{name} must hold at least one offset (0), got an empty tensor")
+    if packed_rows > _INT32_MAX:
+        raise ValueError(f"{name}: {packed_rows} packed tokens do not fit int32 offsets")
+    lengths = cu[1:] - cu[:-1]
+    longest = torch.cat([lengths, lengths.new_zeros(1)]).max()
+    ok = (cu[0] == 0) & (cu[-1] == packed_rows) & (lengths >= 0).all()
+    if max_seqlen is not None:
+        ok = ok & (longest <= max_seqlen)
+    return ok, longest
+
+
+def offsets_message(name: str, packed_rows: int, max_seqlen, max_name: str) -> str:
+    bound = "" if max_seqlen is None else f", and no sequence may be longer than {max_name}={max_seqlen}"
+    return (f"{name} must start at 0, end at the packed length {packed_rows}, never decrease{bound} "
+            f"(a {max_name} smaller than the longest sequence is an error, never a truncation)")
+
+
+def check_max_seqlen(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value

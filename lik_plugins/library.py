@@ -13,6 +13,8 @@ custom op with a fake (meta) kernel, and the one autograd path over them.
 ``lik::maxsim_hidden_forward`` scores against ``normalize(H @ W.T + b)`` built in the kernel
 ``lik::maxsim_hidden_backward`` grads of Q, H, W, b through the winning hidden states
 ``lik::plaid_approx_score``    PLAID's centroid-only candidate score
+``lik::maxsim_varlen_forward`` packed (``cu_seqlens``) scores, every pair or a pair list, + winners
+``lik::maxsim_varlen_backward`` grad of the packed tokens through those winners
 =============================  ================================================================
 
 Each op picks its device path at run time, inside the op (``kernels.dispatch``), and counts
@@ -214,6 +216,114 @@ def maxsim(Q, D, q_mask, d_mask, *, layout: int, normalize: bool, zero_mode: boo
     if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
         return _MaxSim.apply(Q, D, q_mask, d_mask, (layout, normalize, zero_mode, strategy, entry))
     return maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, False, entry)[0]
+
+
+# ----------------------------------------------------------------------------- packed layouts
+# Tokens packed as ``[sum L, d]`` with int32 offsets (``cu_seqlens``), validated by the public
+# ops (``lik_plugins.packed``).  ``pair_q`` / ``pair_d`` given: only those pairs are scored
+# (``[P]``); absent (empty tensors): every query against every document (``[Nq, Nd]``).
+# ``max_q`` / ``max_d``: bounds on the lengths, fixed on the host (the fake kernel's shapes).
+
+def _pairs_of(pair_q, pair_d):
+    return None if pair_q is None else (pair_q, pair_d)
+
+
+def _varlen_impl(t: torch.Tensor, entry: str):
+    """The launchers of the path that serves a packed op: every path with a packed forward
+    (Triton, chunked); others (Metal) are served by the chunked path, and counted so."""
+    path = served_by(t, "maxsim")
+    if path == "reference":
+        path = "torch-chunked"
+    impl = implementation(path)
+    if not hasattr(impl.maxsim, "varlen_forward"):
+        path, impl = "torch-chunked", implementation("torch-chunked")
+    if entry:
+        record(entry, path)
+    return impl
+
+
+def _varlen_forward_fake(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d, normalize, zero_mode,
+                         save_argmax, entry):
+    dtype = _score_dtype(Q)
+    if pair_q is not None:
+        shape, arg_shape = (pair_q.shape[0],), (pair_q.shape[0], max_q)
+    else:
+        shape = (cu_q.shape[0] - 1, cu_d.shape[0] - 1)
+        arg_shape = (*shape, max_q)
+    scores = Q.new_empty(shape, dtype=dtype)
+    if not save_argmax:
+        return scores, _no_tensor(Q, torch.int16)
+    return scores, Q.new_empty(arg_shape, dtype=argmax_dtype(max_d))
+
+
+@_registered("maxsim_varlen_forward", _varlen_forward_fake)
+def maxsim_varlen_forward(
+    Q: torch.Tensor, D: torch.Tensor, cu_q: torch.Tensor, cu_d: torch.Tensor,
+    pair_q: Optional[torch.Tensor], pair_d: Optional[torch.Tensor],
+    q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor], max_q: int, max_d: int,
+    normalize: bool, zero_mode: bool, save_argmax: bool, entry: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed scores (``[Nq, Nd]``, or ``[P]`` for a pair list) and, when ``save_argmax``,
+    the winners (``[Nq, Nd, max_q]`` / ``[P, max_q]``; -1: none)."""
+    impl = _varlen_impl(Q, entry)
+    scores, argmax = impl.maxsim.varlen_forward(
+        Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), q_mask, d_mask, max_q=max_q, max_d=max_d,
+        normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
+    return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
+
+
+def _varlen_backward_fake(grad, Q, D, cu_q, cu_d, pair_q, pair_d, argmax, normalize, need_q, need_d):
+    return (Q.new_empty(Q.shape) if need_q else _no_tensor(Q)), (D.new_empty(D.shape) if need_d else _no_tensor(D))
+
+
+@_registered("maxsim_varlen_backward", _varlen_backward_fake)
+def maxsim_varlen_backward(
+    grad: torch.Tensor, Q: torch.Tensor, D: torch.Tensor, cu_q: torch.Tensor, cu_d: torch.Tensor,
+    pair_q: Optional[torch.Tensor], pair_d: Optional[torch.Tensor], argmax: torch.Tensor,
+    normalize: bool, need_q: bool, need_d: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_Q, grad_D)`` of the packed tokens through the saved winners (empty where not
+    needed); duplicate pairs accumulate."""
+    impl = _varlen_impl(Q, "")
+    gq, gd = impl.maxsim.varlen_backward(grad, Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), argmax,
+                                         normalize=normalize, need_q=need_q, need_d=need_d)
+    return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
+
+
+class _MaxSimVarlen(torch.autograd.Function):
+    """``options = (max_q, max_d, normalize, zero_mode, entry)``; saves the packed tokens,
+    the offsets, the pair list and the winners."""
+
+    @staticmethod
+    def forward(ctx, Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, options):
+        max_q, max_d, normalize, zero_mode, entry = options
+        scores, argmax = maxsim_varlen_forward(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
+                                               normalize, zero_mode, True, entry)
+        if pair_q is None:
+            ctx.save_for_backward(Q, D, cu_q, cu_d, argmax)
+        else:
+            ctx.save_for_backward(Q, D, cu_q, cu_d, argmax, pair_q, pair_d)
+        ctx.normalize = normalize
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad):
+        Q, D, cu_q, cu_d, argmax, *pairs = ctx.saved_tensors
+        pair_q, pair_d = pairs if pairs else (None, None)
+        need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gq, gd = maxsim_varlen_backward(grad.contiguous(), Q, D, cu_q, cu_d, pair_q, pair_d, argmax, ctx.normalize,
+                                        need_q, need_d)
+        return (gq if need_q else None), (gd if need_d else None), None, None, None, None, None, None, None
+
+
+def maxsim_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, *, max_q: int, max_d: int, normalize: bool,
+                  zero_mode: bool, entry: str) -> torch.Tensor:
+    """Validated packed inputs in, scores out (through autograd when a gradient is needed)."""
+    if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
+        return _MaxSimVarlen.apply(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask,
+                                   (max_q, max_d, normalize, zero_mode, entry))
+    return maxsim_varlen_forward(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d, normalize,
+                                 zero_mode, False, entry)[0]
 
 
 # ----------------------------------------------------------------------------- smooth max

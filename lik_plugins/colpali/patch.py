@@ -25,7 +25,6 @@ import inspect
 import threading
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from .._patching import PatchLedger
 from .._routing import record
@@ -149,9 +148,16 @@ def _lik_slots(backend_module):
 
 
 def _score_multi_vector_for(processing, original):
-    """``score_multi_vector(qs, ps, batch_size=128, device=None)`` with colpali's semantics:
-    right zero-padding per chunk of ``batch_size`` (so results depend on ``batch_size``
-    exactly as colpali's do), no masks, ``[n_q, n_p]`` float32 on CPU."""
+    """``score_multi_vector(qs, ps, batch_size=128, device=None)`` with colpali's semantics,
+    in one packed launch: ``[n_q, n_p]`` float32 on CPU.
+
+    colpali right-pads each chunk of ``batch_size`` passages with zeros and scores the
+    chunks without masks, so a zero token takes part in the max of every passage shorter
+    than the longest of its chunk (results depend on ``batch_size``, and must).  Packed,
+    such a passage gets one zero token appended (a zero vector scores exactly 0: one is as
+    good as many); the others are packed as they are.  Query padding adds exactly 0 to a
+    sum, so queries are packed unpadded.  Scores are rounded to the inputs' dtype before
+    the float32 cast, as colpali's are."""
 
     @functools.wraps(original)
     def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
@@ -163,24 +169,44 @@ def _score_multi_vector_for(processing, original):
             raise ValueError("No queries provided")
         if len(ps) == 0:
             raise ValueError("No passages provided")
-        rows, path = [], None
-        for i in range(0, len(qs), batch_size):
-            q = pad_sequence(qs[i : i + batch_size], batch_first=True, padding_value=0).to(device)
-            row = []
-            for j in range(0, len(ps), batch_size):
-                p = pad_sequence(ps[j : j + batch_size], batch_first=True, padding_value=0).to(device)
-                if q.dim() != 3 or p.dim() != 3 or not sc.eligible(q, p):
-                    record("colpali.score_multi_vector", "original")
-                    return original(qs, ps, batch_size, device)
-                tile, path = sc.inbatch(q, p)
-                row.append(tile)
-            rows.append(torch.cat(row, dim=1).cpu())
-        scores = torch.cat(rows, dim=0)
-        assert scores.shape[0] == len(qs), f"Expected {len(qs)} scores, got {scores.shape[0]}"
+        queries, passages = list(qs), list(ps)
+        items = queries + passages
+        if not (all(torch.is_tensor(x) and x.dim() == 2 and x.shape[0] > 0 for x in items) and sc.eligible(*items)) \
+                or not isinstance(batch_size, int) or batch_size <= 0:
+            record("colpali.score_multi_vector", "original")
+            return original(qs, ps, batch_size, device)
+        scores, path = _packed_multi_vector(queries, passages, batch_size, device)
         record("colpali.score_multi_vector", path)
-        return scores.to(torch.float32)
+        return scores
 
     return score_multi_vector
+
+
+def _packed_multi_vector(queries, passages, batch_size, device):
+    from ..packed import pack
+
+    zero = passages[0].new_zeros((1, passages[0].shape[1]))
+    pieces, offsets = [], [0]
+    for j0 in range(0, len(passages), batch_size):
+        chunk = passages[j0:j0 + batch_size]
+        longest = max(p.shape[0] for p in chunk)
+        for p in chunk:
+            pieces.append(p)
+            n = p.shape[0]
+            if n < longest:          # colpali's zero padding of this chunk: one zero token
+                pieces.append(zero)
+                n += 1
+            offsets.append(offsets[-1] + n)
+    D = torch.cat(pieces).to(device)
+    cu_d = torch.tensor(offsets, dtype=torch.int32).to(device)
+    Q, cu_q, max_q = pack([q.to(device) for q in queries])
+    max_d = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+    ops = sc._ops()
+    from .. import packed
+
+    with torch.no_grad():
+        scores = packed.maxsim_varlen(Q, D, cu_q, cu_d, max_q, max_d)
+    return scores.to(Q.dtype).cpu().to(torch.float32), ops.served_by(Q)
 
 
 # --------------------------------------------------------------------------- public

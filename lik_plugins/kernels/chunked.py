@@ -32,8 +32,12 @@ def _rows_per_chunk(per_row: int, total: int) -> int:
     return max(1, min(total, chunk_elements() // max(per_row, 1)))
 
 
-def _reduce_rows(sim, q_valid, d_valid, zero_mode):
-    """sim ``[a, b, Lq, Ld]`` -> (row values ``[a, b, Lq]``, winner ``[a, b, Lq]`` or -1)."""
+def _reduce_rows(sim, q_valid, d_valid, zero_mode, d_present=None):
+    """sim ``[a, b, Lq, Ld]`` -> (row values ``[a, b, Lq]``, winner ``[a, b, Lq]`` or -1).
+
+    ``d_present`` (packed layouts, padded here per chunk): the columns that are real
+    tokens; padding never takes part, not even as a zero-mode masked 0.  ``d_valid`` must
+    then be False on padding too."""
     if sim.shape[-1] == 0:
         shape = sim.shape[:-1]
         return sim.new_zeros(shape), torch.full(shape, _NO_WINNER, dtype=torch.int64, device=sim.device)
@@ -42,7 +46,8 @@ def _reduce_rows(sim, q_valid, d_valid, zero_mode):
     best, winner = sim.max(dim=-1)
     has_winner = best > float("-inf")
     if zero_mode and d_valid is not None:
-        has_masked = (~d_valid).any(dim=-1).unsqueeze(-1)
+        masked = ~d_valid if d_present is None else d_present & ~d_valid
+        has_masked = masked.any(dim=-1).unsqueeze(-1)
         has_winner = has_winner & ~(has_masked & (best < 0))
     has_winner = has_winner | torch.isnan(best)
     if q_valid is not None:
@@ -281,3 +286,142 @@ def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize, need_q, need_ro
             gq = project_out_norm(gq, Q.to(cdt), rq.to(cdt))
         grad_q = gq.to(Q.dtype)
     return grad_q, g_rows
+
+
+# --------------------------------------------------------------------------- packed layouts
+# Tokens packed as ``[sum L, d]`` with offsets ``cu_seqlens`` (int32, ``[N + 1]``).  The
+# forward gathers each chunk of sequences into a padded block (padding marked absent, so it
+# never takes part, not even as a zero-mode masked 0) and reduces it as above; the backward
+# goes through the winners only, with global row indices into the packed tensors.  Both are
+# shared by the Triton path (``kernels/triton/launch.py``), whose forward is a kernel and
+# whose backward is this one.
+
+def _gather_padded(X, inv_norm, mask, cu, seq, length_bound, cdt):
+    """Sequences ``seq`` (``[n]`` int64 ids) of packed ``X`` as ``[n, length_bound, d]``
+    (zeros past each sequence), the presence mask and the validity mask ``[n, length_bound]``."""
+    start = cu[seq].long()
+    length = cu[seq + 1].long() - start
+    pos = torch.arange(length_bound, device=X.device)
+    present = pos[None, :] < length[:, None]
+    rows = (start[:, None] + pos[None, :]).clamp_(0, max(X.shape[0] - 1, 0))
+    if X.shape[0] == 0:
+        x = X.new_zeros((seq.shape[0], length_bound, X.shape[-1]), dtype=cdt)
+        return x, present, present
+    x = _scaled(X[rows], None if inv_norm is None else inv_norm[rows], cdt)
+    x = x.masked_fill(~present.unsqueeze(-1), 0)
+    valid = present if mask is None else present & mask[rows]
+    return x, present, valid
+
+
+def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, normalize, zero_mode, save_argmax):
+    """Packed MaxSim.  ``pairs``: None (every query against every document: scores
+    ``[Nq, Nd]``, winners ``[Nq, Nd, max_q]``) or ``(pair_q, pair_d)`` (scores ``[P]``,
+    winners ``[P, max_q]``).  Winners index the document's own tokens (-1: none)."""
+    cdt = _compute_dtype(Q.dtype)
+    out_dtype = torch.float64 if cdt == torch.float64 else torch.float32
+    rq = inverse_norms(Q) if normalize else None
+    rd = inverse_norms(D) if normalize else None
+    nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
+    arg_dtype = argmax_dtype(max_d)
+    device = Q.device
+    if pairs is not None:
+        pair_q, pair_d = pairs[0].long(), pairs[1].long()
+        n_pairs = pair_q.shape[0]
+        scores = torch.empty((n_pairs,), dtype=out_dtype, device=device)
+        argmax = torch.empty((n_pairs, max_q), dtype=arg_dtype, device=device) if save_argmax else None
+        step = _rows_per_chunk(max(max_q, 1) * max(max_d, 1), n_pairs)
+        for p0 in range(0, n_pairs, step):
+            ps = slice(p0, p0 + step)
+            qc, _, qv = _gather_padded(Q, rq, q_mask, cu_q, pair_q[ps], max_q, cdt)
+            dc, dp, dv = _gather_padded(D, rd, d_mask, cu_d, pair_d[ps], max_d, cdt)
+            sim = torch.einsum("ash,ath->ast", qc, dc).unsqueeze(1)
+            values, winner = _reduce_rows(sim, qv, dv.unsqueeze(1), zero_mode, dp.unsqueeze(1))
+            scores[ps] = values.sum(-1).squeeze(1).to(out_dtype)
+            if argmax is not None:
+                argmax[ps] = winner.squeeze(1)
+        return scores, argmax
+
+    scores = torch.empty((nq, nd), dtype=out_dtype, device=device)
+    argmax = torch.empty((nq, nd, max_q), dtype=arg_dtype, device=device) if save_argmax else None
+    per_doc = max(max_q, 1) * max(max_d, 1)
+    cd = _rows_per_chunk(per_doc, nd)
+    cq = _rows_per_chunk(cd * per_doc, nq)
+    q_ids = torch.arange(nq, device=device)
+    d_ids = torch.arange(nd, device=device)
+    for q0 in range(0, nq, cq):
+        qs = slice(q0, q0 + cq)
+        qc, _, qv = _gather_padded(Q, rq, q_mask, cu_q, q_ids[qs], max_q, cdt)
+        for d0 in range(0, nd, cd):
+            ds = slice(d0, d0 + cd)
+            dc, dp, dv = _gather_padded(D, rd, d_mask, cu_d, d_ids[ds], max_d, cdt)
+            sim = torch.einsum("ash,bth->abst", qc, dc)
+            a = sim.shape[0]
+            values, winner = _reduce_rows(sim, qv, dv.unsqueeze(0).expand(a, -1, -1), zero_mode,
+                                          dp.unsqueeze(0).expand(a, -1, -1))
+            scores[qs, ds] = values.sum(-1).to(out_dtype)
+            if argmax is not None:
+                argmax[qs, ds] = winner
+    return scores, argmax
+
+
+def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q, need_d):
+    """Gradients of :func:`varlen_forward` through its winners: grad_Q gathers each winning
+    document row, grad_D scatter-adds ``g * q`` into it (``index_add_``: duplicate pairs
+    accumulate).  No boolean indexing, so no host synchronisation on a GPU."""
+    dim = Q.shape[-1]
+    cdt = _compute_dtype(Q.dtype)
+    grad = grad.to(cdt)
+    rq = inverse_norms(Q) if normalize else None
+    rd = inverse_norms(D) if normalize else None
+    q_hat = _scaled(Q, rq, cdt) if need_d else None
+    d_hat = _scaled(D, rd, cdt) if need_q else None
+    gq = torch.zeros((Q.shape[0], dim), dtype=cdt, device=Q.device) if need_q else None
+    gd = torch.zeros((D.shape[0], dim), dtype=cdt, device=D.device) if need_d else None
+    max_q = argmax.shape[-1]
+    if Q.shape[0] and D.shape[0] and argmax.numel():
+        t = torch.arange(max_q, device=Q.device)
+        q_last, d_last = Q.shape[0] - 1, D.shape[0] - 1
+        if pairs is not None:
+            pair_q, pair_d = pairs[0].long(), pairs[1].long()
+            step = _rows_per_chunk(max_q * dim, pair_q.shape[0])
+            for p0 in range(0, pair_q.shape[0], step):
+                ps = slice(p0, p0 + step)
+                win = argmax[ps].long()
+                q_rows = cu_q[pair_q[ps]].long()[:, None] + t[None, :]
+                d_rows = cu_d[pair_d[ps]].long()[:, None] + win.clamp_min(0)
+                _scatter_winners(grad[ps].unsqueeze(-1), win, q_rows, d_rows, q_last, d_last, q_hat, d_hat, gq, gd)
+        else:
+            nd = cu_d.numel() - 1
+            d_starts = cu_d[:-1].long().view(1, nd, 1)
+            step = _rows_per_chunk(nd * max_q * dim, cu_q.numel() - 1)
+            for q0 in range(0, cu_q.numel() - 1, step):
+                qs = slice(q0, q0 + step)
+                win = argmax[qs].long()                                             # [a, Nd, Lq]
+                q_rows = (cu_q[qs].long()[:, None] + t[None, :]).unsqueeze(1).expand_as(win)
+                d_rows = d_starts + win.clamp_min(0)
+                _scatter_winners(grad[qs].unsqueeze(-1), win, q_rows, d_rows, q_last, d_last, q_hat, d_hat, gq, gd)
+    grad_q = grad_d = None
+    if need_q:
+        if normalize:
+            gq = project_out_norm(gq, Q.to(cdt), rq.to(cdt))
+        grad_q = gq.to(Q.dtype)
+    if need_d:
+        if normalize:
+            gd = project_out_norm(gd, D.to(cdt), rd.to(cdt))
+        grad_d = gd.to(D.dtype)
+    return grad_q, grad_d
+
+
+def _scatter_winners(g, win, q_rows, d_rows, q_last, d_last, q_hat, d_hat, gq, gd):
+    """One chunk: ``g`` the score gradients broadcast over ``win``'s shape; rows without a
+    winner (-1) contribute exact zeros (their indices are clamped, their weights 0)."""
+    ok = win >= 0
+    weight = (g * ok).reshape(-1, 1)
+    ok = ok.reshape(-1, 1)
+    q_rows = q_rows.reshape(-1).clamp(0, q_last)
+    d_rows = d_rows.reshape(-1).clamp(0, d_last)
+    if gq is not None:
+        # a masked-out row may hold anything (NaN): select, never multiply, what has no winner
+        gq.index_add_(0, q_rows, torch.where(ok, d_hat[d_rows] * weight, 0))
+    if gd is not None:
+        gd.index_add_(0, d_rows, torch.where(ok, q_hat[q_rows] * weight, 0))

@@ -288,3 +288,84 @@ def maxsim_from_hidden(Q, H_d, W, b=None, d_mask=None, *, normalize=True):
     MaxSim (``normalize``: both sides L2-normalised), masked document tokens excluded."""
     D = F.linear(H_d, W, b)
     return maxsim(Q, D, None, d_mask, normalize=normalize)
+
+
+# ------------------------------------------------------------------ packed (varlen) layouts
+def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _packed_pair(Q, D, q_mask, d_mask, qs, ds, normalize, mask_mode) -> torch.Tensor:
+    """One query ``Q[qs]`` against one document ``D[ds]``, both unpadded: a scalar."""
+    qm = None if q_mask is None else q_mask[qs[0]:qs[1]].unsqueeze(0)
+    dm = None if d_mask is None else d_mask[ds[0]:ds[1]].unsqueeze(0)
+    q = Q[qs[0]:qs[1]].unsqueeze(0)
+    d = D[ds[0]:ds[1]].unsqueeze(0)
+    return maxsim(q, d, qm, dm, normalize=normalize, mask_mode=mask_mode)[0, 0]
+
+
+def maxsim_varlen(
+    Q_packed: torch.Tensor,
+    D_packed: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_d: torch.Tensor,
+    *,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    normalize: bool = False,
+    mask_mode: str = "exclude",
+) -> torch.Tensor:
+    """Reference of :func:`lik_plugins.maxsim_varlen`: every packed query against every
+    packed document, each pair scored on its own unpadded tokens (so a document of no
+    tokens scores 0, and padding never exists to take part in a max)."""
+    q_seg, d_seg = _segments(cu_seqlens_q), _segments(cu_seqlens_d)
+    rows = [torch.stack([_packed_pair(Q_packed, D_packed, q_mask, d_mask, qs, ds, normalize, mask_mode)
+                         for ds in d_seg]) if d_seg else _empty_scores(Q_packed, D_packed, 0)
+            for qs in q_seg]
+    if not rows:
+        return _empty_scores(Q_packed, D_packed, len(d_seg)).reshape(0, len(d_seg))
+    return torch.stack(rows)
+
+
+def score_pairs_packed(
+    Q_packed: torch.Tensor,
+    D_packed: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_d: torch.Tensor,
+    pair_q_idx: torch.Tensor,
+    pair_d_idx: torch.Tensor,
+    *,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    normalize: bool = False,
+    mask_mode: str = "exclude",
+) -> torch.Tensor:
+    """Reference of :func:`lik_plugins.score_pairs_packed`: ``[num_pairs]``, pair ``p``
+    being query ``pair_q_idx[p]`` against document ``pair_d_idx[p]``."""
+    q_seg, d_seg = _segments(cu_seqlens_q), _segments(cu_seqlens_d)
+    scores = [_packed_pair(Q_packed, D_packed, q_mask, d_mask, q_seg[int(i)], d_seg[int(j)], normalize, mask_mode)
+              for i, j in zip(pair_q_idx.tolist(), pair_d_idx.tolist())]
+    return torch.stack(scores) if scores else _empty_scores(Q_packed, D_packed, 0)
+
+
+def _empty_scores(Q: torch.Tensor, D: torch.Tensor, n: int) -> torch.Tensor:
+    # zero scores that stay on the autograd graph of both inputs
+    return (Q.sum() + D.sum()).mul(0).expand(n).clone() if n else (Q.sum() + D.sum()).mul(0).reshape(1)[:0]
+
+
+def maxsim_padded(
+    queries: torch.Tensor,
+    documents: torch.Tensor,
+    query_lengths: torch.Tensor,
+    doc_lengths: torch.Tensor,
+    *,
+    normalize: bool = False,
+) -> torch.Tensor:
+    """Reference of :func:`lik_plugins.maxsim_padded`: ``[B, Lq, d]`` queries, each with
+    its own ``[C, Ld, d]`` candidates; only the first ``query_lengths[b]`` /
+    ``doc_lengths[b, c]`` tokens exist (the rest never take part)."""
+    lq, ld = queries.shape[1], documents.shape[2]
+    q_mask = torch.arange(lq, device=queries.device) < query_lengths.unsqueeze(-1)
+    d_mask = torch.arange(ld, device=documents.device) < doc_lengths.unsqueeze(-1)
+    return maxsim(queries, documents, q_mask, d_mask, normalize=normalize, mask_mode="exclude")

@@ -27,6 +27,12 @@ from typing import Any, Callable
 #: The three scoring functions, in every release.
 FUNCTIONS = ("colbert_scores", "colbert_kd_scores", "colbert_scores_pairwise")
 
+#: Whole PyLate functions served in one fused call instead of their Python loops:
+#: ``name -> module defining it`` (every release).  Captured like the scorers -- every
+#: module-level copy, found by identity: ``pylate.rank.rerank`` and the retrievers'
+#: ``from ..rank import rerank`` (``pylate.retrieve.colbert``) included.
+LOOPS = {"rerank": "pylate.rank.rank"}
+
 #: Modules imported by the patcher so that every module-level copy of a scorer exists
 #: (``import pylate`` itself imports no submodule).  Missing ones are skipped: a few
 #: only exist in some releases or need optional dependencies.
@@ -92,6 +98,10 @@ def detect() -> PyLateLayout:
     if scores_module is None:
         scores_module = importlib.import_module("pylate.scores.scores")
     originals = {name: getattr(scores_module, name) for name in FUNCTIONS}
+    for name, module_name in LOOPS.items():
+        module = import_optional(module_name)
+        if module is not None and callable(getattr(module, name, None)):
+            originals[name] = getattr(module, name)
     has_backend = "backend" in inspect.signature(originals["colbert_scores"]).parameters
     colbert_scores_class = getattr(scores_module, "ColBERTScores", None)
     if has_backend:

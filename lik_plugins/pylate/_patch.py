@@ -16,7 +16,9 @@ Three kinds of capture points (``notes/pylate.md`` section 4):
   ``unpatch_pylate()`` leaves them exactly as PyLate made them.
 
 Plus ``ColBERTScores.__call__`` (1.5.0 and newer): one fused call over all document
-groups instead of PyLate's loop.
+groups instead of PyLate's loop; and ``rank.rerank`` (every release, wherever it was
+imported, the retrievers included): one packed launch over every query's candidates
+(``_layout.LOOPS``, :mod:`._rerank`).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def _lookalikes(layout: layout_mod.PyLateLayout) -> dict:
     """``{original: adapter}``, each adapter carrying its original's name, module, docstring
     and signature, so PyLate's doctests are still collected and run through the patch."""
     if not _served:
-        for name in layout_mod.FUNCTIONS:
+        for name in (*layout_mod.FUNCTIONS, *(n for n in layout_mod.LOOPS if n in layout.originals)):
             original = layout.originals[name]
             _served[original] = lookalike(_scores.ADAPTERS[name], original)
         call = layout.originals.get("ColBERTScores.__call__")
@@ -84,7 +86,8 @@ def _already_patched(owner: Any, name: str) -> bool:
 
 def _apply(layout: layout_mod.PyLateLayout) -> None:
     served = _lookalikes(layout)
-    to_adapter = {layout.originals[n]: served[layout.originals[n]] for n in layout_mod.FUNCTIONS}
+    names = (*layout_mod.FUNCTIONS, *(n for n in layout_mod.LOOPS if n in layout.originals))
+    to_adapter = {layout.originals[n]: served[layout.originals[n]] for n in names}
     to_original = {adapter: original for original, adapter in to_adapter.items()}
 
     for module in _pylate_modules():
@@ -137,7 +140,7 @@ def patch_pylate() -> layout_mod.PyLateLayout:
     Calling it again is harmless (it also covers PyLate modules imported since).
     :func:`lik_plugins.routing_counts` shows which path served each call, under the
     entries ``pylate.colbert_scores``, ``pylate.colbert_kd_scores``,
-    ``pylate.colbert_scores_pairwise`` and ``pylate.ColBERTScores``.
+    ``pylate.colbert_scores_pairwise``, ``pylate.ColBERTScores`` and ``pylate.rerank``.
 
     Returns:
         The detected :class:`PyLateLayout` (``version``, ``group``, originals).

@@ -7,7 +7,7 @@ Each adapter keeps the host's contract and nothing else:
 * the output dtype PyLate's own einsum path gives (type promotion of the embeddings
   and the masks), although the op itself always returns float32;
 * positional and keyword calls, ``backend=``, numpy arrays and lists, ragged lists in
-  pairwise scoring (packed with padding masks);
+  pairwise scoring (packed: ``score_pairs_packed``);
 * anything the op cannot serve goes to PyLate's original function, silently under
   ``auto`` and with an error under an explicit ``backend="lik"``.
 
@@ -220,7 +220,7 @@ def _prepare_groups(Q, D, queries_mask=None, documents_mask=None):
 
 def _prepare_pairwise(Q, D):
     """Pairs ``Q[i]`` x ``D[i]``: ``[B, L, H]`` tensors, or sequences of ``[L_i, H]``
-    (ragged; packed into zero-padded tensors with padding masks that *exclude*)."""
+    (ragged: packed, one :func:`lik_plugins.score_pairs_packed` launch)."""
     try:
         if isinstance(Q, torch.Tensor) and isinstance(D, torch.Tensor):
             Qs, Ds, ragged = Q, D, False
@@ -251,14 +251,21 @@ def _prepare_pairwise(Q, D):
             return _Fallback(f"dtype {first.dtype}")
         if any(x.shape[0] == 0 for x in (*Qs, *Ds)):
             return _Fallback("zero-length item", strict=False)
-        q_lengths = torch.tensor([q.shape[0] for q in Qs], device=first.device)
-        d_lengths = torch.tensor([d.shape[0] for d in Ds], device=first.device)
-        Qs = torch.nn.utils.rnn.pad_sequence(Qs, batch_first=True)
-        Ds = torch.nn.utils.rnn.pad_sequence(Ds, batch_first=True)
-        q_mask = torch.arange(Qs.shape[1], device=first.device)[None, :] < q_lengths[:, None]
-        d_mask = torch.arange(Ds.shape[1], device=first.device)[None, :] < d_lengths[:, None]
-        # No padding in PyLate's per-pair loop: padded document tokens must never win.
-        mask_mode = "exclude"
+        # Packed, not padded: PyLate's per-pair loop has no padding, and packed pairs have
+        # none either (each pair scores exactly its own tokens, one launch, no padded copy).
+        ops = _ops()
+        out_dtype = first.dtype
+
+        def run_packed() -> torch.Tensor:
+            from ..packed import pack, score_pairs_packed
+
+            Qp, cu_q, max_q = pack(Qs)
+            Dp, cu_d, max_d = pack(Ds)
+            pairs = torch.arange(len(Qs), dtype=torch.int32, device=first.device)
+            return score_pairs_packed(Qp, Dp, cu_q, cu_d, pairs, pairs, max_seqlen_q=max_q,
+                                      max_seqlen_d=max_d).to(out_dtype)
+
+        return ops.served_by(first), run_packed
     out_dtype = Qs.dtype
     ops = _ops()
 
@@ -328,3 +335,8 @@ ADAPTERS = {
     "colbert_kd_scores": colbert_kd_scores,
     "colbert_scores_pairwise": colbert_scores_pairwise,
 }
+
+# the whole-loop adapters (``_layout.LOOPS``) build on the helpers above
+from ._rerank import rerank  # noqa: E402
+
+ADAPTERS["rerank"] = rerank

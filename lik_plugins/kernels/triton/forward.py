@@ -13,7 +13,9 @@ partial scores land in ``OUT[chunk]`` and are summed on the host (deterministic)
 
 Layouts share the kernel through strides: in the cross product ``s_di == 0`` (every
 query sees document ``j``); for per-query candidates ``QPB == 1`` and document ``j`` of
-query ``qi`` sits at ``qi * s_di + j * s_dj``.
+query ``qi`` sits at ``qi * s_di + j * s_dj``.  Packed layouts (``VARLEN``, ``PAIRS``)
+change only the program setup: row pointers and document starts come from the offsets
+(and the pair list), and each document's own length bounds its tile loop.
 """
 from __future__ import annotations
 
@@ -275,10 +277,12 @@ def _document_row_max(
 
 @triton.jit
 def _store_document(
-    b_max, b_arg, b_floor, b_rq, m_keep, m_row, q_idx, t_idx, i_qb, i_chunk, i_j, OUT, ARG, n_q, n_j, lq,
+    b_max, b_arg, b_floor, b_rq, m_keep, m_store, q_idx, t_idx, i_qb, i_chunk, i_j, OUT, ARG, n_q, n_j, lq,
     NORMALIZE: tl.constexpr, SAVE_ARG: tl.constexpr, ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr,
 ):
-    """Mask semantics, then each query's sum over its rows (and the winners) for document ``i_j``."""
+    """Mask semantics, then each query's sum over its rows (and the winners) for document ``i_j``.
+    ``m_store``: the winner slots to write (packed queries: also the rows past a query's
+    length, which get -1)."""
     if NORMALIZE:
         b_max = b_max * b_rq      # 1/||q|| > 0 commutes with the max
     # A row scores its max if a valid token won (a masked 0 loses ties); NaN stays NaN.
@@ -292,7 +296,7 @@ def _store_document(
     if SAVE_ARG:
         b_win = tl.where(m_win, b_arg, -1)
         p_arg = ARG + (q_idx.to(tl.int64) * n_j + i_j) * lq + t_idx
-        tl.store(p_arg, b_win.to(ARG.dtype.element_ty), mask=m_row)
+        tl.store(p_arg, b_win.to(ARG.dtype.element_ty), mask=m_store)
 
 
 # Lengths, and strides that follow them without mattering for vector loads (mask, norm,
@@ -301,6 +305,9 @@ def _store_document(
                                "s_dmj", "s_rdi", "s_rdj", "s_a0i", "s_a0j", "aux_n"])
 def maxsim_fwd_kernel(
     Q, D, QM, DM, RQ, RD, OUT, ARG,
+    # packed layouts (VARLEN): int32 offsets of the queries / documents, and (PAIRS) the
+    # pair list; placeholders otherwise
+    CU_Q, CU_D, PAIR_Q, PAIR_D,
     n_q, n_j, lq, ld, dim,
     s_qi, s_qs, s_qh,
     s_di, s_dj, s_dt, s_dh,
@@ -331,6 +338,12 @@ def maxsim_fwd_kernel(
     # the last BLOCK_N tile, masked).  Chosen by the host from Ld (``launch.tail_tile``).
     TAIL_N: tl.constexpr = 0,
     DOC_FORMAT: tl.constexpr = 0, NBITS: tl.constexpr = 0, BLOCK_H: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
+    # VARLEN: Q and D are packed ``[sum L, d]``; query ``i`` is rows ``CU_Q[i] .. CU_Q[i+1]``,
+    # document ``j`` rows ``CU_D[j] .. CU_D[j+1]`` (masks and inverse norms packed alike);
+    # ``lq`` is the bound on query lengths, each document's own length bounds its loop.
+    # PAIRS (with VARLEN): program ``j`` scores pair ``j``: query PAIR_Q[j] x document
+    # PAIR_D[j]; the host passes n_q = 1, QPB = 1 (output ``[1, P]``).
+    VARLEN: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
     pid = tl.program_id(0)
@@ -348,12 +361,28 @@ def maxsim_fwd_kernel(
     q_idx = i_qb * QPB + o_m // ROWS_PER_Q                   # [BM] query of each row
     t_idx = i_chunk * ROWS_PER_Q + o_m % ROWS_PER_Q          # [BM] token of each row
     m_row = (q_idx < n_q) & (t_idx < lq)
+    m_store = m_row
+    if VARLEN:
+        if PAIRS:
+            q_src = tl.load(PAIR_Q + i_jb) + o_m * 0           # the pair's query, on every row
+        else:
+            q_src = q_idx
+        q_start = tl.load(CU_Q + q_src, mask=m_row, other=0)
+        q_len = tl.load(CU_Q + q_src + 1, mask=m_row, other=0) - q_start
+        m_row = m_row & (t_idx < q_len)                        # rows past the query: no data, winner -1
+        q_tok = q_start.to(tl.int64) + t_idx                   # [BM] packed row of each row
+        p_q = Q + q_tok * s_qs                                 # [BM] row pointers
+        p_qm = QM + q_tok * s_qms
+        p_rq = RQ + q_tok
+    else:
+        p_q = Q + q_idx.to(tl.int64) * s_qi + t_idx.to(tl.int64) * s_qs    # [BM] row pointers
+        p_qm = QM + q_idx.to(tl.int64) * s_qmi + t_idx * s_qms
+        p_rq = RQ + q_idx.to(tl.int64) * lq + t_idx
     m_keep = m_row
     if HAS_QM:
-        b_qm = tl.load(QM + q_idx.to(tl.int64) * s_qmi + t_idx * s_qms, mask=m_row, other=0)
+        b_qm = tl.load(p_qm, mask=m_row, other=0)
         m_keep = m_keep & (b_qm != 0)
 
-    p_q = Q + q_idx.to(tl.int64) * s_qi + t_idx.to(tl.int64) * s_qs    # [BM] row pointers
     if BLOCK_K == D_PAD:
         # The whole embedding fits one tile: the query block stays on chip for the document.
         b_q = tl.load(p_q[:, None] + o_k[None, :] * s_qh, mask=m_row[:, None] & (o_k[None, :] < dim), other=0.0)
@@ -367,14 +396,29 @@ def maxsim_fwd_kernel(
 
     for jj in tl.static_range(DOCS_PER_PROGRAM):
         i_j = i_jb * DOCS_PER_PROGRAM + jj
-        q_first = (i_qb * QPB).to(tl.int64)
+        if VARLEN:
+            if PAIRS:
+                doc = tl.load(PAIR_D + i_j)
+            else:
+                doc = i_j
+            d_start = tl.load(CU_D + doc)
+            ld_j = tl.load(CU_D + doc + 1) - d_start           # this document's own loop bound
+            d_first = d_start.to(tl.int64)
+            p_d = D + d_first * s_dt
+            p_dm = DM + d_first * s_dmt
+            p_rd = RD + d_first
+            p_a0 = A0 + d_first * s_a0t
+        else:
+            q_first = (i_qb * QPB).to(tl.int64)
+            ld_j = ld
+            p_d = D + q_first * s_di + i_j.to(tl.int64) * s_dj
+            p_dm = DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj
+            p_rd = RD + q_first * s_rdi + i_j.to(tl.int64) * s_rdj
+            p_a0 = A0 + q_first * s_a0i + i_j.to(tl.int64) * s_a0j
         b_max, b_arg, b_floor = _document_row_max(
-            b_q, p_q, m_row,
-            D + q_first * s_di + i_j.to(tl.int64) * s_dj,
-            DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj,
-            RD + q_first * s_rdi + i_j.to(tl.int64) * s_rdj,
-            ld, dim, s_qh, s_dt, s_dh, s_dmt,
-            A0 + q_first * s_a0i + i_j.to(tl.int64) * s_a0j, A1, A2, s_a0t, aux_n,
+            b_q, p_q, m_row, p_d, p_dm, p_rd,
+            ld_j, dim, s_qh, s_dt, s_dh, s_dmt,
+            p_a0, A1, A2, s_a0t, aux_n,
             HAS_DM, ZERO_MODE, NORMALIZE, SAVE_ARG, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION, RUNNING_MAX,
             TAIL_N, DOC_FORMAT, NBITS, BLOCK_H, HAS_BIAS,
         )
@@ -382,8 +426,8 @@ def maxsim_fwd_kernel(
             if QUANT_Q:
                 b_rq = b_qscale
             else:
-                b_rq = tl.load(RQ + q_idx.to(tl.int64) * lq + t_idx, mask=m_row, other=1.0)
+                b_rq = tl.load(p_rq, mask=m_row, other=1.0)
         else:
             b_rq = b_max   # unused
-        _store_document(b_max, b_arg, b_floor, b_rq, m_keep, m_row, q_idx, t_idx, i_qb, i_chunk, i_j, OUT, ARG,
+        _store_document(b_max, b_arg, b_floor, b_rq, m_keep, m_store, q_idx, t_idx, i_qb, i_chunk, i_j, OUT, ARG,
                         n_q, n_j, lq, NORMALIZE, SAVE_ARG, ROWS_PER_Q, QPB)

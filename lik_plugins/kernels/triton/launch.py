@@ -198,6 +198,12 @@ def _placeholder(device, dtype) -> torch.Tensor:
     return _PLACEHOLDERS[key]
 
 
+def _no_offsets(device) -> tuple:
+    """The packed layouts' offset and pair-list pointers, for a dense launch (never read)."""
+    index = _placeholder(device, torch.int32)
+    return index, index, index, index
+
+
 def _mask_bytes(mask: torch.Tensor | None, device) -> torch.Tensor:
     if mask is None:
         return _placeholder(device, torch.uint8)
@@ -404,8 +410,8 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     scores = torch.empty(plan.out_shape, dtype=torch.float32, device=device)
     # Q, D and the masks are the caller's (views at any offset); the rest is ours
     launch(plan.kernel, plan.grid,
-           (Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else placeholder, *plan.ints, *aux,
-            *plan.aux_ints),
+           (Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else placeholder, *_no_offsets(device),
+            *plan.ints, *aux, *plan.aux_ints),
            plan.meta, static_key=key if after_launch is None else None, caller_tensors=(Q, D, qm, dm, rq, rd, *aux))
     if after_launch is not None:
         after_launch()
@@ -676,3 +682,77 @@ def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, n
                          None, chunk, cross=True, normalize=normalize)
             _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
     return grad_q, grad_d
+
+
+# --------------------------------------------------------------------------- packed layouts
+def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, normalize, zero_mode, save_argmax):
+    """Packed MaxSim on the forward kernel (``VARLEN``; ``PAIRS`` for a pair list), same
+    signature and outputs as :func:`lik_plugins.kernels.chunked.varlen_forward`.  The query
+    blocking comes from ``max_q`` (a bound: shorter queries leave rows idle); each
+    document's tile loop runs to its own length, so ``max_d`` only sizes the winners."""
+    device = Q.device
+    dim = Q.shape[-1]
+    nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
+    n_pairs = pairs[0].shape[0] if pairs is not None else 0
+    elem = Q.element_size()
+    d_pad = max(16, next_pow2(dim))
+    block_m = WIDE_BLOCK_M if elem <= 2 and d_pad <= 128 else TARGET_BLOCK_M
+    if pairs is not None:
+        rows, qpb, n_chunks = row_blocking(max_q, 1, False, block_m)
+        n_rows, n_j, n_qblocks = 1, n_pairs, 1
+    else:
+        rows, qpb, n_chunks = row_blocking(max_q, nq, True, block_m)
+        n_rows, n_j, n_qblocks = nq, nd, cdiv(nq, qpb)
+    arg_dtype = argmax_dtype(max_d)
+    argmax = None
+    if save_argmax:
+        argmax = torch.full((n_rows, n_j, max_q), -1, dtype=arg_dtype, device=device) if max_q * n_j * n_rows \
+            else torch.empty((n_rows, n_j, max_q), dtype=arg_dtype, device=device)
+    if n_rows * n_j == 0 or max_q == 0:
+        scores = torch.zeros((n_rows, n_j), dtype=torch.float32, device=device)
+    else:
+        placeholder = _placeholder(device, torch.float32)
+        qm, dm = _mask_bytes(q_mask, device), _mask_bytes(d_mask, device)
+        rq = inverse_norms(Q) if normalize else placeholder
+        rd = inverse_norms(D) if normalize else placeholder
+        index = _placeholder(device, torch.int32)
+        pair_q, pair_d = pairs if pairs is not None else (index, index)
+        n_programs = n_j * n_qblocks * n_chunks
+        kernel, meta, after_launch = forward_kernel_and_meta(
+            rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=Q.dtype, n_programs=n_programs, save_arg=save_argmax)
+        out = torch.empty((n_chunks, n_rows, n_j) if n_chunks > 1 else (n_rows, n_j), dtype=torch.float32,
+                          device=device)
+        ints = (
+            n_rows, n_j, max_q, max_d, dim,
+            0, Q.stride(0), Q.stride(1),
+            0, 0, D.stride(0), D.stride(1),
+            0, qm.stride(0) if q_mask is not None else 0,
+            0, 0, dm.stride(0) if d_mask is not None else 0,
+            0, 0,
+            n_qblocks, n_chunks, size_class(n_programs),
+        )
+        meta = dict(
+            HAS_QM=q_mask is not None, HAS_DM=d_mask is not None, ZERO_MODE=bool(zero_mode),
+            NORMALIZE=bool(normalize), SAVE_ARG=bool(save_argmax), ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
+            UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype),
+            VARLEN=True, PAIRS=pairs is not None, **meta,
+        )
+        launch(kernel, (n_programs,),
+               (Q, D, qm, dm, rq, rd, out, argmax if argmax is not None else placeholder, cu_q, cu_d, pair_q, pair_d,
+                *ints, placeholder, placeholder, placeholder, 0, 0, 0, 0), meta)
+        if after_launch is not None:
+            after_launch()
+        scores = out if n_chunks == 1 else out.sum(0)
+    if pairs is not None:
+        return scores[0], (argmax[0] if argmax is not None else None)
+    return scores, argmax
+
+
+def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q, need_d):
+    """The packed backward: for now the torch gather / scatter through the winners of
+    :func:`lik_plugins.kernels.chunked.varlen_backward` (a few ``index_add_`` launches per
+    chunk, no host sync), not a Triton kernel."""
+    from .. import chunked
+
+    return chunked.varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, normalize=normalize, need_q=need_q,
+                                   need_d=need_d)

@@ -1,0 +1,213 @@
+"""Packed (``cu_seqlens``), pair-list and padded-with-lengths ops against the reference,
+on the chunked path and on the Triton kernels in the interpreter; the offsets rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lik_plugins as lik
+from lik_plugins.kernels import reference
+
+BACKENDS = ["torch-chunked", "triton"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    from lik_plugins._config import triton_interpret
+
+    if request.param == "triton" and not triton_interpret():
+        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+    monkeypatch.setenv("LIK_BACKEND", request.param)
+    lik.reset_routing_counts()
+    return request.param
+
+
+def _ragged(gen, lengths, d=12, dtype=torch.float32):
+    return [torch.randn(n, d, generator=gen).to(dtype) for n in lengths]
+
+
+def _holes(gen, n):
+    mask = torch.rand(n, generator=gen) > 0.35
+    return mask
+
+
+def _grads(out, inputs, gen):
+    w = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    return torch.autograd.grad((out.double() * w).sum(), inputs, allow_unused=True)
+
+
+def _close(got, want, tol=2e-5):
+    torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+
+
+# query lengths include 0; a query longer than one row block of the kernel (two chunks) has
+# a test of its own (the interpreter is slow)
+Q_LENGTHS = (5, 1, 0, 7)
+# document lengths: an empty document inside the batch, Ld = 1, an odd long one
+D_LENGTHS = (4, 0, 9, 1, 70, 3)
+
+
+@pytest.mark.parametrize("mask_mode,normalize,q_lengths", [
+    ("exclude", False, Q_LENGTHS), ("zero", True, Q_LENGTHS), ("zero", False, (150, 3))],
+    ids=["exclude", "zero-normalize", "long-query"])
+def test_varlen_matches_reference(backend, gen, mask_mode, normalize, q_lengths):
+    Qp, cu_q, mq = lik.pack(_ragged(gen, q_lengths))
+    Dp, cu_d, md = lik.pack(_ragged(gen, D_LENGTHS))
+    q_mask, d_mask = _holes(gen, Qp.shape[0]), _holes(gen, Dp.shape[0])
+    d_mask[cu_d[2]:cu_d[3]] = False                       # a fully masked document
+    Qp.requires_grad_()
+    Dp.requires_grad_()
+    kw = dict(q_mask=q_mask, d_mask=d_mask, normalize=normalize, mask_mode=mask_mode)
+    out = lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, md, **kw)
+    want = reference.maxsim_varlen(Qp.double(), Dp.double(), cu_q, cu_d, **kw)
+    assert out.shape == (len(q_lengths), len(D_LENGTHS)) and out.dtype == torch.float32
+    _close(out, want)
+    seed = torch.Generator().manual_seed(1)
+    got_g = _grads(out, (Qp, Dp), seed)
+    want_g = _grads(want, (Qp, Dp), torch.Generator().manual_seed(1))
+    for got, ref in zip(got_g, want_g):
+        _close(got, ref)
+    assert (out[:, 1] == 0).all()                         # the empty document
+    if 0 in q_lengths:
+        assert (out[q_lengths.index(0)] == 0).all()
+    assert lik.routing_counts()["maxsim_varlen"] == {backend: 1}
+
+
+def test_pairs_unsorted_duplicates_and_grads(backend, gen):
+    Qp, cu_q, _ = lik.pack(_ragged(gen, Q_LENGTHS))
+    Dp, cu_d, _ = lik.pack(_ragged(gen, D_LENGTHS))
+    q_mask, d_mask = _holes(gen, Qp.shape[0]), _holes(gen, Dp.shape[0])
+    Qp.requires_grad_()
+    Dp.requires_grad_()
+    # unsorted, repeated (3, 2) three times, an empty document and an empty query
+    pair_q = torch.tensor([3, 0, 3, 0, 2, 3, 1, 0])
+    pair_d = torch.tensor([2, 5, 2, 4, 0, 2, 1, 0])
+    kw = dict(q_mask=q_mask, d_mask=d_mask, mask_mode="zero")
+    out = lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, pair_q, pair_d, **kw)
+    want = reference.score_pairs_packed(Qp.double(), Dp.double(), cu_q, cu_d, pair_q, pair_d, **kw)
+    _close(out, want)
+    assert out[0] == out[2] == out[5]
+    for got, ref in zip(_grads(out, (Qp, Dp), torch.Generator().manual_seed(2)),
+                        _grads(want, (Qp, Dp), torch.Generator().manual_seed(2))):
+        _close(got, ref)                                  # duplicates' gradients add up
+    # the pair list equals the matching entries of the full cross product
+    full = lik.maxsim_varlen(Qp.detach(), Dp.detach(), cu_q, cu_d, q_mask=q_mask, d_mask=d_mask, mask_mode="zero")
+    _close(out.detach(), full[pair_q, pair_d])
+
+
+def test_one_pair_and_no_queries(backend, gen):
+    Qp, cu_q, _ = lik.pack(_ragged(gen, (6,)))
+    Dp, cu_d, _ = lik.pack(_ragged(gen, (5, 8)))
+    one = lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, torch.tensor([0]), torch.tensor([1]))
+    _close(one, reference.maxsim(Qp[None], Dp[None, 5:])[0])
+    empty_q = torch.zeros(0, 12)
+    Dp.requires_grad_()
+    out = lik.maxsim_varlen(empty_q, Dp, torch.zeros(1, dtype=torch.int32), cu_d)
+    assert out.shape == (0, 2)
+    out.sum().backward()
+    assert torch.equal(Dp.grad, torch.zeros_like(Dp))
+    none = lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, torch.zeros(0, dtype=torch.int32),
+                                  torch.zeros(0, dtype=torch.int32))
+    assert none.shape == (0,)
+
+
+def test_int64_offsets_are_accepted_and_converted(gen):
+    Qp, cu_q, _ = lik.pack(_ragged(gen, (3, 4)))
+    Dp, cu_d, _ = lik.pack(_ragged(gen, (5, 2, 6)))
+    want = lik.maxsim_varlen(Qp, Dp, cu_q, cu_d)
+    got = lik.maxsim_varlen(Qp, Dp, cu_q.long(), cu_d.long())
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        lik.maxsim_varlen(Qp, Dp, cu_q.float(), cu_d)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        lik.maxsim_varlen(Qp, Dp, cu_q.to(torch.int16), cu_d)
+
+
+@pytest.mark.parametrize("bounds", [False, True], ids=["host-checked", "device-checked"])
+def test_bad_offsets_are_errors(gen, bounds):
+    Qp, cu_q, mq = lik.pack(_ragged(gen, (3, 4)))
+    Dp, cu_d, md = lik.pack(_ragged(gen, (5, 2, 6)))
+    err = (RuntimeError, ValueError)
+    kw = dict(max_seqlen_q=mq, max_seqlen_d=md) if bounds else {}
+    short = torch.tensor([0, 5, 7, 12])                   # ends before the packed length 13
+    with pytest.raises(err, match="end at the packed length 13"):
+        lik.maxsim_varlen(Qp, Dp, cu_q, short, *kw.values())
+    with pytest.raises(err, match="start at 0"):
+        lik.maxsim_varlen(Qp, Dp, cu_q, torch.tensor([1, 5, 7, 13]), *kw.values())
+    with pytest.raises(err, match="never decrease"):
+        lik.maxsim_varlen(Qp, Dp, cu_q, torch.tensor([0, 8, 7, 13]), *kw.values())
+    with pytest.raises(err, match="pair indices"):
+        lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, torch.tensor([0, 2]), torch.tensor([0, 1]),
+                               max_seqlen_q=kw.get("max_seqlen_q"), max_seqlen_d=kw.get("max_seqlen_d"))
+
+
+def test_max_seqlen_too_small_is_an_error_not_a_truncation(backend, gen):
+    Qp, cu_q, mq = lik.pack(_ragged(gen, (3, 9)))
+    Dp, cu_d, md = lik.pack(_ragged(gen, (5, 11)))
+    with pytest.raises(RuntimeError, match="no sequence may be longer than max_seqlen_q=4"):
+        lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, 4, md)
+    with pytest.raises(RuntimeError, match="max_seqlen_d=10"):
+        lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, 10)
+    with pytest.raises(RuntimeError, match="max_seqlen_d=10"):
+        lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, torch.tensor([0]), torch.tensor([1]), max_seqlen_q=mq,
+                               max_seqlen_d=10)
+    # larger bounds than needed are fine and change nothing
+    _close(lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq + 5, md + 40), lik.maxsim_varlen(Qp, Dp, cu_q, cu_d))
+
+
+def test_bad_inputs(gen):
+    Qp, cu_q, _ = lik.pack(_ragged(gen, (3,)))
+    Dp, cu_d, _ = lik.pack(_ragged(gen, (5,), d=8))
+    with pytest.raises(ValueError, match="embedding dims differ"):
+        lik.maxsim_varlen(Qp, Dp, cu_q, cu_d)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        lik.maxsim_varlen(Qp[None], Qp, cu_q, cu_q)
+    with pytest.raises(ValueError, match="one length"):
+        lik.score_pairs_packed(Qp, Qp, cu_q, cu_q, torch.tensor([0, 0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="q_mask must have shape"):
+        lik.maxsim_varlen(Qp, Qp, cu_q, cu_q, q_mask=torch.ones(2, dtype=torch.bool))
+
+
+def test_maxsim_padded_matches_the_unpadded_tokens(backend, gen):
+    B, C, Lq, Ld, d = 3, 4, 6, 9, 12
+    Q = torch.randn(B, Lq, d, generator=gen, requires_grad=True)
+    D = torch.randn(B, C, Ld, d, generator=gen, requires_grad=True)
+    q_len = torch.tensor([6, 1, 0])
+    d_len = torch.randint(0, Ld + 1, (B, C), generator=gen)
+    d_len[0, 1] = 0
+    out = lik.maxsim_padded(Q, D, q_len, d_len)
+    # independent formulation: each pair scored on its sliced, unpadded tokens
+    want = torch.stack([torch.stack([
+        reference.maxsim(Q[b, : q_len[b]].double()[None], D[b, c, : d_len[b, c]].double()[None])[0, 0]
+        for c in range(C)]) for b in range(B)])
+    _close(out, want)
+    for got, ref in zip(_grads(out, (Q, D), torch.Generator().manual_seed(3)),
+                        _grads(want, (Q, D), torch.Generator().manual_seed(3))):
+        _close(got, ref)
+    assert lik.routing_counts()["maxsim_padded"] == {backend: 1}
+    with pytest.raises(RuntimeError, match=r"doc_lengths must lie in \[0, 9\]"):
+        lik.maxsim_padded(Q, D, q_len, d_len + 9)
+
+
+def test_pack_unpack_round_trip(gen):
+    seqs = _ragged(gen, (3, 0, 5))
+    packed, cu, longest = lik.pack(seqs)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 3, 8] and longest == 5
+    for a, b in zip(lik.unpack(packed, cu), seqs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="at least one"):
+        lik.pack([])
+    with pytest.raises(ValueError, match="sequence 1"):
+        lik.pack([seqs[0], torch.randn(2, 4)])
+    with pytest.raises(ValueError, match="end at the packed length"):
+        lik.unpack(packed, torch.tensor([0, 3, 7]))
+
+
+def test_kill_switch_runs_the_reference(monkeypatch, gen):
+    Qp, cu_q, _ = lik.pack(_ragged(gen, (3, 4)))
+    Dp, cu_d, _ = lik.pack(_ragged(gen, (5, 0)))
+    monkeypatch.setenv("LIK_DISABLE", "1")
+    lik.reset_routing_counts()
+    out = lik.maxsim_varlen(Qp, Dp, cu_q, cu_d)
+    _close(out, reference.maxsim_varlen(Qp.double(), Dp.double(), cu_q, cu_d))
+    assert lik.routing_counts()["maxsim_varlen"] == {"reference": 1}
