@@ -481,6 +481,7 @@ def tail_tiles(request, monkeypatch):
 
     monkeypatch.setattr(launch, "TAIL_TILES", request.param == "tail-tiles")
     monkeypatch.setattr(launch, "TAIL_MIN_BLOCK_ROWS", 0)  # the tiny shapes' 16-row programs too
+    monkeypatch.setattr(launch, "TAIL_MIN_LD", 0)          # and their short documents
     launch.clear_plans()  # a cached forward plan holds the tail width it was made with
     yield request.param
     launch.clear_plans()
@@ -510,20 +511,23 @@ def test_document_tails_at_every_tile_width(gen, block_n, mask_mode, tail_tiles,
     launch.clear_plans()
 
 
-def test_tail_tile_rule():
+def test_tail_tile_rule(monkeypatch):
     """Tail tiles at least 16 wide (the MMA's minimum), no wider than a power of two above
-    ``Ld % 64``, none where every BLOCK_N divides the length."""
+    ``Ld % 64``, none where every BLOCK_N divides the length, none below TAIL_MIN_LD."""
     from lik_plugins.kernels.triton import launch
 
     assert launch.tail_tile(1030) == 16     # ColPali pages: 1024 + 6
+    assert launch.tail_tile(1030, 32) == 0  # one short query per program: memory-bound, masked tile
+    assert launch.tail_tile(1030, 128) == 16 and launch.tail_tile(1030, 256) == 16
+    assert launch.tail_tile(600) == 32 and launch.tail_tile(1024) == 0
+    assert launch.tail_tile(300) == 0 and launch.tail_tile(180) == 0   # ColBERT lengths: no tail variants
+    monkeypatch.setattr(launch, "TAIL_MIN_LD", 0)
     assert launch.tail_tile(300) == 64      # 256 + 44
     assert launch.tail_tile(180) == 64      # 128 + 52
     assert launch.tail_tile(200) == 16      # 192 + 8 (BLOCK_N 128: 128 + 72 in five tiles of 16)
     assert launch.tail_tile(20) == 32       # shorter than any whole tile
     assert launch.tail_tile(320) == 64      # only BLOCK_N 128 leaves a tail
-    assert launch.tail_tile(256) == 0 and launch.tail_tile(1024) == 0
-    assert launch.tail_tile(1030, 32) == 0  # one short query per program: memory-bound, masked tile
-    assert launch.tail_tile(1030, 128) == 16 and launch.tail_tile(1030, 256) == 16
+    assert launch.tail_tile(256) == 0
     for ld in range(1, 600):
         width = launch.tail_tile(ld)
         if ld % 128:

@@ -129,6 +129,12 @@ FP8_SHORT_QUERY_MAX_LQ = 32
 # keep the masked tile (TAIL_MIN_BLOCK_ROWS).  False: always the masked tile.
 TAIL_TILES = True
 TAIL_MIN_BLOCK_ROWS = 128
+# ... and only for documents of TAIL_MIN_LD tokens or more: every tail width is one more
+# binary per query-row bucket, and a loop whose document lengths change every step (ColBERT
+# lengths, 60-300) met each new width as a 1.3-1.4 s compile in its first hundred steps on
+# the H100 (benchmarks/real_loop.py, results/h100/real_loop.md) for a gain that was only
+# ever measured on 1030-token pages.
+TAIL_MIN_LD = 512
 
 
 def _multi_doc(nj: int, ld: int, n_programs: int) -> bool:
@@ -159,7 +165,7 @@ def tail_tile(ld: int, block_rows: int = TAIL_MIN_BLOCK_ROWS) -> int:
     them: the next power of two >= 16 above ``ld % 64`` (one tile covers the tail at
     BLOCK_N <= 64 and one or two at 128), or 64 when only BLOCK_N 128 leaves a tail.  The
     kernel splits only where the tail tile is narrower than BLOCK_N."""
-    if not TAIL_TILES or block_rows < TAIL_MIN_BLOCK_ROWS or ld % 128 == 0:
+    if not TAIL_TILES or block_rows < TAIL_MIN_BLOCK_ROWS or ld < TAIL_MIN_LD or ld % 128 == 0:
         return 0
     rem = ld % 64
     return 64 if rem == 0 else max(16, next_pow2(rem))
