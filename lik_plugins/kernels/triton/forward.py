@@ -46,10 +46,10 @@ def quantize_e4m3_rows(x, FP8_LIMIT: tl.constexpr):
 
 
 # Document formats (``DOC_FORMAT``): how a tile's ``[BLOCK_K, WIDTH]`` operand is made.
-DENSE: tl.constexpr = 0      # float tokens D [.., Ld, d]
-INT8: tl.constexpr = 1       # int8 tokens; the int32 products are scaled by RQ / RD like fp8's
-RESIDUAL: tl.constexpr = 2   # PLAID residuals: D = packed residual bytes, A0 = codes, A1 = centroids, A2 = bucket weights
-HIDDEN: tl.constexpr = 3     # projection head: D = hidden states H [.., Ld, h], A0 = W [d, h], A1 = bias [d]
+DENSE = tl.constexpr(0)     # float tokens D [.., Ld, d]
+INT8 = tl.constexpr(1)      # int8 tokens; the int32 products are scaled by RQ / RD like fp8's
+RESIDUAL = tl.constexpr(2)  # PLAID residuals: D = packed residual bytes, A0 = codes, A1 = centroids, A2 = bucket weights
+HIDDEN = tl.constexpr(3)    # projection head: D = hidden states H [.., Ld, h], A0 = W [d, h], A1 = bias [d]
 
 
 @triton.jit

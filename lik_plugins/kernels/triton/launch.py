@@ -32,6 +32,7 @@ from . import direct
 from .backward import (
     maxsim_bwd_gather_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
 )
+from . import forward as forward_formats
 from .direct import launch
 from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2, size_class
 
@@ -258,7 +259,9 @@ class _ForwardPlan(NamedTuple):
 
 
 # Document operands other than float tokens (forward.py ``DOC_FORMAT``).
-DENSE, INT8, RESIDUAL, HIDDEN = 0, 1, 2, 3
+# the kernel's document formats (forward.py), as plain ints for the host
+DENSE, INT8, RESIDUAL, HIDDEN = (f.value for f in (forward_formats.DENSE, forward_formats.INT8, forward_formats.RESIDUAL,
+                                                  forward_formats.HIDDEN))
 
 
 class DocFormat(NamedTuple):
