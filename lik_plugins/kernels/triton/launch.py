@@ -197,11 +197,13 @@ _PLACEHOLDERS: dict = {}
 
 
 def _placeholder(device, dtype) -> torch.Tensor:
-    """A 1-element stand-in for an absent optional tensor (never read: its flag is off).
-    Cached per device so the hot path allocates nothing for it."""
+    """A stand-in for an absent optional tensor (never read: its flag is off).  Empty, so it
+    owns no memory (a null pointer): a cached allocation made while CUDA graph trees warm up
+    would live in their pool untracked, which they reject.  Cached per device so the hot
+    path builds nothing for it."""
     key = (device, dtype)
     if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
+        _PLACEHOLDERS[key] = torch.empty(0, dtype=dtype, device=device)
     return _PLACEHOLDERS[key]
 
 
