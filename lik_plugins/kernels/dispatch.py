@@ -102,7 +102,7 @@ def served_by(t: torch.Tensor, op: str = "maxsim") -> str:
         return "triton"
     if forced in ("torch-chunked", "reference"):
         return forced
-    if t.device.type == "mps":
+    if not t.is_cuda and t.device.type == "mps":
         return "metal" if op not in _NO_METAL_OPS and _metal_serves(t) else "torch-chunked"
     if op == "fp8":
         # the interpreter runs fp8 products too (CI covers the kernel without LIK_BACKEND)

@@ -45,7 +45,8 @@ def test_release(version, tmp_path):
     # Distillation binds colbert_kd_scores as a default argument in every release
     assert summary["losses"]["distillation"]["counts"]["pylate.colbert_kd_scores"] == {"torch-chunked": 2}
     counts = summary["inference_counts"]
-    assert counts["pylate.colbert_scores"] == {"torch-chunked": 4}
+    assert counts["pylate.colbert_scores"] == {"torch-chunked": 1}    # similarity
+    assert counts["pylate.rerank"] == {"torch-chunked": 1}            # rank.rerank: one launch
     assert counts["pylate.colbert_scores_pairwise"] == {"torch-chunked": 2}
     assert counts["pylate.colbert_kd_scores"] == {"torch-chunked": 1}
     assert summary["inference_patched"]["rerank"] == summary["inference_vanilla"]["rerank"]
