@@ -43,11 +43,20 @@ test demo: export TRANSFORMERS_OFFLINE := 1
 
 # pytest exit code 5 (no tests collected) counts as a failure.
 # -rs lists every skipped test with its reason (a missing optional host says which extra to install).
+# Four parts, each failing the target on its own:
+#   1. the suite in .venv (kernels under Triton's CPU interpreter, PyLate 1.6, colpali-engine 0.3.18);
+#   2. the Metal kernels' shader source under the C++ emulator, every kernel (exit non-zero on a mismatch);
+#   3. sentence-transformers 6.x in its own environment (it cannot sit beside PyLate's pinned ST 5.3);
+#   4. the hosts' own test suites, unpatched / patched / kill switch, compared test for test.
 test: venv
 	@set +e; start=$$(date +%s); TRITON_INTERPRET=1 $(PY) -m pytest -q -rs tests; rc=$$?; \
-	echo "make test: $$(( $$(date +%s) - start )) s"; \
+	echo "make test: suite $$(( $$(date +%s) - start )) s"; \
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests (exit code 5)" >&2; exit 1; fi; \
-	exit $$rc
+	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
+	$(PY) -m lik_plugins.kernels.metal.emulate || exit 1; \
+	bash ci/st6_env.sh || exit 1; \
+	$(PY) ci/host_suites.py || exit 1; \
+	echo "make test: all parts passed in $$(( $$(date +%s) - start )) s"
 
 demo: venv
 	@if [ ! -f $(DEMO) ]; then echo "make demo: ERROR: $(DEMO) does not exist" >&2; exit 1; fi

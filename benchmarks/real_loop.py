@@ -222,6 +222,7 @@ def main() -> int:
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--compile", action="store_true", help="also run every cell under torch.compile")
+    p.add_argument("--compile-only", action="store_true", help="only the torch.compile cells")
     p.add_argument("--warm", action="store_true", help="also run every cell again on its filled Triton cache")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
@@ -236,7 +237,7 @@ def main() -> int:
     meta = environment()
     rows = []
     for loop in args.loops.split(","):
-        for compile_ in ([False, True] if args.compile else [False]):
+        for compile_ in ([True] if args.compile_only else [False, True] if args.compile else [False]):
             if compile_ and loop == "pylate":
                 continue  # the encoder under torch.compile is the encoder's story, not ours
             for impl in args.impls.split(","):
