@@ -3,7 +3,7 @@
 Opt-in and inference-only.  Each token keeps one fp32 scale (its largest component maps
 to e4m3's largest finite value, 448), so a token's direction survives quantisation to
 about 3 significant bits per component; what that does to rankings is measured in
-``recipes/fp8_fidelity.py`` and ``benchmarks/NOTES.md``, not assumed.
+``recipes/fp8_fidelity.py`` and ``docs/performance-notes.md``, not assumed.
 
     >>> index = quantize_fp8(D)                 # once, when the corpus is encoded
     >>> scores = maxsim_fp8(Q, index)           # Q quantised on the fly
@@ -138,8 +138,7 @@ def _as_tokens(name: str, x, rank: tuple[int, ...], quantize: bool = True):
 
 
 # Largest re-quantisation the fused path may do: every program quantises its own query
-# rows, i.e. about (documents per query) x (query elements) in all.  On an H100 (NOTES v13,
-# results/h100/probe_fp8_fused.json and kernels runs) fusing saved a launch on rerank
+# rows, i.e. about (documents per query) x (query elements) in all.  On an H100 (docs/performance-notes.md and kernels runs) fusing saved a launch on rerank
 # 1x1000 (4M elements: 0.226 -> 0.067 ms) but the round-to-nearest divisions, repeated per
 # document, cost more than the launch on search 64x4096 (1G elements: 0.79 -> 2.89 ms) and a
 # 1024-token query against 2000 documents (262M: 0.69 -> 1.43 ms).

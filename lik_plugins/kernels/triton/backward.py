@@ -14,12 +14,12 @@
   walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``: 3.5-6.6x faster on an H100.
   (Compacting in registers, a [hits x rows] comparison per round, measured 1.3-3x
   slower than the dense walk, and sorting each document's rows first -- ``tl.sort`` or a
-  two-launch counting sort -- cost more than it saved: benchmarks/NOTES.md v4, v14.)
+  two-launch counting sort -- cost more than it saved: docs/performance-notes.md.)
 * :func:`maxsim_bwd_winners_kernel` — ``lowmem`` for candidates and pairs: each document
   is owned by one query, so grad_D is zero-filled (memset speed) and only its winning rows
   are written, duplicates summed by a tiny equality-matrix MMA (one writer per row).  On an
   H100 the one-hot tile product above ran at 1.7x the time of the zero-fill alone on
-  256 x 16 hard negatives (benchmarks/NOTES.md, v7).
+  256 x 16 hard negatives (docs/performance-notes.md).
 * :func:`project_rows_kernel` — the normalisation Jacobian for an fp32 buffer.
 
 With ``NORMALIZE`` the kernels work on ``dL/dx_hat`` and apply
@@ -73,7 +73,7 @@ def _gather_walk(
     # flight instead of one dependent (argmax -> row) load chain per document.  Each
     # document is its own [BLOCK_S, D_PAD] tile: one 3-D [BLOCK_J, BLOCK_S, D_PAD] tile
     # summed over its first axis measured 3-6x slower at BLOCK_J >= 4 on an H100 (the
-    # sum crossed warps; NOTES v15).  grad_Q accumulates in ``b_acc``; with SCATTER_D,
+    # sum crossed warps; docs/performance-notes.md).  grad_Q accumulates in ``b_acc``; with SCATTER_D,
     # ``g * q`` goes to GD32 (document ``j`` at ``j - gd_j0``) with relaxed atomics.
     o_h = tl.arange(0, D_PAD)
     for j0 in range(j_lo, j_hi, BLOCK_J):
@@ -162,7 +162,7 @@ def _one_hot_round(b_acc, b_a, i_q, i_s, m_r, o_t, o_h, m_h, i_j, G, Q, RQ, lq, 
     if GUARD_ROWS:
         # rows without a winner (masked query tokens): 0 * NaN must not leak.  Only
         # with a query mask: the select sends the rows through registers and back to
-        # shared memory, which cost 40 % on an H100 (NOTES v9)
+        # shared memory, which cost 40 % on an H100 (docs/performance-notes.md)
         b_q = tl.where((b_a >= 0)[:, None], b_q, 0.0)
     if F32_DOT or UPCAST:
         b_q = b_q.to(tl.float32)
@@ -210,7 +210,7 @@ def _doc_body(
     # The argmax is int16, too narrow for the pipeliner's asynchronous copies, so a plain
     # load of it would stall every step: it is fetched one step ahead by hand (a register
     # load only blocks at first use).  The query rows and weights are pipelined by Triton;
-    # their addresses must not depend on the argmax for that (benchmarks/NOTES.md, v9).
+    # their addresses must not depend on the argmax for that (docs/performance-notes.md).
     b_a_next = _doc_winners(ARG, r_lo + o_r, r_hi, i_j, n_j, lq)
     b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
     for r0 in range(r_lo, r_hi, BLOCK_R):
@@ -286,7 +286,7 @@ def _compact_doc_body(
     tl.debug_barrier()   # the list, written by every thread of the program, is read by all
     b_acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
     # 16-bit row ids are too narrow for the pipeliner's asynchronous copies: fetched one
-    # step ahead by hand, as the dense kernel does with the argmax (NOTES v9)
+    # step ahead by hand, as the dense kernel does with the argmax (docs/performance-notes.md)
     b_r_next = tl.load(p_rows + o_r, mask=o_r < n_hits, other=0).to(tl.int32)
     for k0 in range(0, n_hits, BLOCK_R):
         b_r = b_r_next

@@ -239,7 +239,7 @@ def _document_row_max(
     if SPLIT_TAIL:
         # The tail tile's tokens are loaded now and used after the main loop: outside the
         # loop's software pipeline its load would be waited for in full (on an H100 a tail
-        # tile loaded in place cost nearly a whole tile; NOTES v18).
+        # tile loaded in place cost nearly a whole tile; docs/performance-notes.md).
         b_d_tail = _doc_tile(p_d, ld_main, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n, TAIL_N, BLOCK_K, D_PAD,
                              UPCAST, DOC_FORMAT, NBITS, BLOCK_H, HAS_BIAS, NORMALIZE, PRECISION)
     for n0 in range(0, ld_main, BLOCK_N):

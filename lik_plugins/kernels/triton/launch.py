@@ -44,16 +44,16 @@ MAX_ROWS_PER_Q = 128
 TARGET_BLOCK_M = 128
 # With 16-bit (or fp8) inputs and d <= 128 a program owns up to 256 rows -- several
 # queries, or 256 tokens of one long query -- so each document tile is read half as often.
-# Measured on an H100: the inference forward 5-15 % faster at Lq 32-1024 (NOTES v10,
-# results/h100/sweep_rows.log), the training forward with its argmax 2-7 % faster on the
-# in-batch training shapes (NOTES v11, sweep_rows_train.json).  fp32 or wider embeddings
+# Measured on an H100: the inference forward 5-15 % faster at Lq 32-1024, the training
+# forward with its argmax 2-7 % faster on the in-batch training shapes
+# (docs/performance-notes.md).  fp32 or wider embeddings
 # keep 128 so the query block and document tiles still fit in shared memory.
 WIDE_BLOCK_M = 256
 # The gather backward splits each query's documents until about this many programs run
 # (two waves of an H100's 132 SMs), but only when fewer than GATHER_SPLIT_BELOW programs
 # would run otherwise (rerank, search): a split costs three more host-side ops (fp32
 # partials, their sum, a copy), ~0.1 ms on a slow host, which is more than the kernel time
-# it saves once every SM has half a program (measured: benchmarks/NOTES.md, v7).
+# it saves once every SM has half a program (measured: docs/performance-notes.md).
 # It also needs enough steps per program to be worth those ops: a step (BLOCK_J documents)
 # takes ~1-2 us of dependent loads, the split ~50 us of host time on the H100 machine, so
 # below GATHER_SPLIT_MIN_STEPS the unsplit gather finishes first (the 8x8 training shape:
@@ -63,7 +63,7 @@ GATHER_SPLIT_BELOW = 64
 GATHER_SPLIT_MIN_STEPS = 32
 # Gather blocking: up to GATHER_MAX_BLOCK_S query tokens per program, and about
 # GATHER_STEP_ELEMS gathered elements (BLOCK_J documents x BLOCK_S rows x d) per step.
-# On an H100 (NOTES v15, results/h100/sweep_gather_v2.log) 16 tokens x 4 documents a step
+# On an H100 (docs/performance-notes.md) 16 tokens x 4 documents a step
 # made the gather 1.6-2.2x faster than 32 x 2 (ColBERT 256 0.17 -> 0.078 ms, ColBERT 1024
 # 1.94 -> 1.12, ColPali 256 0.27 -> 0.16): twice the programs, so twice the row loads in
 # flight, for a kernel that waits on dependent random loads.
@@ -77,7 +77,7 @@ UNIFIED_BUFFER_BYTES = 64 << 20
 # lies in it (two scans of the document's winners, the list in an int16 scratch the size
 # of the argmax), so its one-hot product walks Nq*Lq*BLOCK_T/Ld rows instead of all Nq*Lq.
 # Row ids are 16-bit: up to COMPACT_MAX_ROWS query rows (common.py); the scans read
-# COMPACT_SCAN winners a step.  On an H100 (NOTES v14, results/h100/sweep_compact_step.json)
+# COMPACT_SCAN winners a step.  On an H100 (docs/performance-notes.md)
 # a ColBERT 256 step went 1.05 -> 0.75 ms, ColBERT 1024 17.5 -> 9.6 ms, ColPali 256 4.1 -> 2.1.
 # Small shapes keep the dense walk (COMPACT_MIN_WORK): the gather then rides in its launch,
 # one launch and one allocation less, which is what a launch-bound step is made of.
@@ -89,20 +89,20 @@ GATHER_ALONE_MIN_WAVES = 1
 # fp8 inference forward: an elementwise running max over the document tiles, reduced
 # across columns once at the end instead of a cross-thread reduction per tile.  The fp8
 # MMA is twice as fast, so the CUDA-core epilogue is its bottleneck; on an H100 this made
-# fp8 11-17 % faster on every shape of sweep_rows.py --epilogue, and bf16 9-18 % slower
+# fp8 11-17 % faster on every shape of an epilogue sweep, and bf16 9-18 % slower
 # (its 64 more registers per thread cost more than the shuffles they save there).
 RUNNING_MAX = True
 # The training forward (argmax saved) can do the same: an elementwise running max plus the
 # offset of the tile each element's max came from, so the per-tile work is a compare, a
 # select and a max instead of two cross-column reductions (max, then the lowest winning
 # column).  Same scores and winners bit for bit; OFF because on an H100 (each variant tuned
-# on its own, NOTES v13, results/h100/sweep_running_argmax.json) its two extra register
+# on its own, docs/performance-notes.md) its two extra register
 # tiles cost more than the reductions they save where documents are short: ColBERT 256
 # 0.330 -> 0.362 ms, ColBERT 1024 5.08 -> 5.67; ColPali 64 0.083 -> 0.078, ColPali 256
 # 1.169 -> 1.160 (Ld 1030: more tiles per program).
 RUNNING_ARGMAX = False
 # Documents per forward program: the query block is loaded once for all of them, so less
-# is read from L2 per document.  On an H100 (NOTES v15, results/h100/sweep_gather_v2.log)
+# is read from L2 per document.  On an H100 (docs/performance-notes.md)
 # 4 documents made the 16-bit inference forward 5-13 % faster on big launches (search Lq 128
 # 4.36 -> 3.80 ms, long query 16x1000 Lq 512 4.30 -> 3.72, in-batch 256 0.296 -> 0.271) but
 # slower on launches of 2000-8000 programs over long documents (ColPali 16x1000 0.25 ->
@@ -114,7 +114,7 @@ FORWARD_MULTI_DOC_MIN_PROGRAMS = 8192   # programs at one document each; twice t
 # fp8 inference with queries up to this long: 128-row programs (TARGET_BLOCK_M) with
 # FORWARD_DOCS_PER_PROGRAM documents each, wherever the 16-bit multi-document rule would take
 # such a launch; otherwise fp8 keeps the 256 x 1 blocking.  On an H100 (fp8 forward alone,
-# each variant autotuned; NOTES v16-v17, results/h100/sweep_fp8_blocking*.json), 256 x 1 ->
+# each variant autotuned; docs/performance-notes.md), 256 x 1 ->
 # 128 x 4: search 64x4096 Lq 32 0.958 -> 0.819 ms, in-batch 256 0.212 -> 0.214 (within
 # noise); not taken: ColPali 16x1000 (4000 programs; 0.197 -> 0.223) and Lq 128 (3.14 ->
 # 3.24-3.29).  0 turns the rule off (the sweep does, to time 256 x 1).
@@ -123,7 +123,7 @@ FP8_SHORT_QUERY_MAX_LQ = 32
 # A document's last Ld % BLOCK_N tokens go through narrower tiles (``tail_tile``) instead of a
 # whole BLOCK_N tile with the rest masked: masked columns cost the MMA and the epilogue as
 # much as real ones, and ColPali's 1030-token pages padded 1030 -> 1088 columns at
-# BLOCK_N 64 (1152 at 128).  On an H100 (NOTES v18, results/h100/sweep_tail*.json) 2-8 %
+# BLOCK_N 64 (1152 at 128).  On an H100 (docs/performance-notes.md) 2-8 %
 # faster on the compute-bound forwards of Ld 1030 (query blocks of 128+ rows); where a
 # program holds one short query (32 rows: rerank, per-query candidates) the forward reads
 # the same bytes either way and a rerank of 4096 pages measured 1.6 % slower, so those
@@ -133,7 +133,7 @@ TAIL_MIN_BLOCK_ROWS = 128
 # ... and only for documents of TAIL_MIN_LD tokens or more: every tail width is one more
 # binary per query-row bucket, and a loop whose document lengths change every step (ColBERT
 # lengths, 60-300) met each new width as a 1.3-1.4 s compile in its first hundred steps on
-# the H100 (benchmarks/real_loop.py, results/h100/real_loop.md) for a gain that was only
+# the H100 (benchmarks/real_loop.py, docs/performance-notes.md) for a gain that was only
 # ever measured on 1030-token pages.
 TAIL_MIN_LD = 512
 
@@ -153,7 +153,7 @@ def docs_per_program(nj: int, ld: int, n_programs: int, save_argmax: bool, elem:
     count.  (fp8: :func:`forward_blocking`.)  A smaller query block (one short query: rerank)
     costs little to reload per document, and one document per program reads HBM faster:
     rerank 1x100k on an H100 2.437 ms with 4 documents, 2.398-2.405 with 1
-    (results/h100/sweep_rerank_bandwidth.json)."""
+    (docs/performance-notes.md)."""
     if save_argmax or elem != 2 or block_rows < TARGET_BLOCK_M or not _multi_doc(nj, ld, n_programs):
         return 1
     return FORWARD_DOCS_PER_PROGRAM
@@ -301,7 +301,7 @@ def _hidden_block(dtype: torch.dtype) -> int:
 # flags).  A repeated shape -- every training step of a fixed batch, every rerank of a
 # fixed candidate count -- skips the blocking, the tuner lookup and building the argument
 # list; with the direct launch that is what the launch-bound shapes cost on the host
-# (benchmarks/NOTES.md, v12).  Cleared with :func:`clear_plans` by whoever changes the
+# (docs/performance-notes.md).  Cleared with :func:`clear_plans` by whoever changes the
 # module's blocking constants.
 _FORWARD_PLANS: dict = {}
 
@@ -555,7 +555,7 @@ def _lowmem_route(nq, lq, nj, ld, *, cross, need_q, n_gather, n_split, sms):
         # Each grad_D tile lists its rows first (the scratch is the argmax's size).  grad_Q
         # is gathered after the lists are freed, for the peak -- unless the gather has too few
         # programs to fill the GPU on its own (ColPali 64: 64 programs; alone it made the step
-        # 0.81 ms against 0.4-0.7 with it riding along, NOTES v14): then it rides in the
+        # 0.81 ms against 0.4-0.7 with it riding along, docs/performance-notes.md): then it rides in the
         # grad_D launch and its grad_Q lives beside the lists.
         ride = n_split == 1 and n_gather < GATHER_ALONE_MIN_WAVES * sms
         return "compact", ("ride" if ride else "alone") if need_q else None

@@ -62,7 +62,7 @@ def size_class(n_programs: int) -> int:
     (0 below 4096, then 4096-32767, 32768-262143, ...).  A rerank of 1000 documents and
     one of 100k share every other key field, but the first is bound by latency and the
     second by HBM: tuned on the first, the second ran 2.45 ms on the H100 instead of
-    2.40 (NOTES v18).  Training batches of one size stay in one class."""
+    2.40 (docs/performance-notes.md).  Training batches of one size stay in one class."""
     return 0 if n_programs < 4096 else ((n_programs.bit_length() - 1) - 12) // 3 + 1
 
 
@@ -261,7 +261,7 @@ def export_table(path: str, arch: str) -> int:
 def _doc_configs():
     return [
         triton.Config({"BLOCK_T": t, "BLOCK_R": r}, num_warps=w, num_stages=st)
-        # the H100 sweep (benchmarks/NOTES.md, v9): tall token tiles and K >= 64 won every
+        # the H100 sweep (docs/performance-notes.md): tall token tiles and K >= 64 won every
         # cross shape; narrower tiles stay for wide embeddings (the accumulator must fit)
         for t in (32, 64, 128)
         for r in (64, 128)
