@@ -3,8 +3,8 @@
 ``kernel[grid](*args, **meta)`` costs 45-65 us of host time per call on the H100 machine's
 CPU (binding, specialising every argument, the cache key, the launch metadata), against
 12-14 us for the compiled kernel's own launcher (``docs/performance-notes.md``).  On
-launch-bound shapes (rerank of a thousand documents, the unit-test sizes, small training steps with three launches) that is most
-of the call.  So the first launch of a *plan* goes through the JIT (which compiles or
+launch-bound shapes (rerank of a thousand documents, the unit-test sizes, small training
+steps with three launches) that is most of the call.  So the first launch of a *plan* goes through the JIT (which compiles or
 finds the kernel), and later launches of the same plan call the compiled launcher
 directly with the new arguments.
 
