@@ -16,12 +16,11 @@ dequantised fp32 tokens, so results never depend on the hardware beyond fp32 rou
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from . import _routing, library
 from ._config import disabled, forced_backend, triton_interpret
+from ._tokens import scaled_tokens_type
 from ._validate import FLOAT_DTYPES, check_geometry, check_options
 from .kernels import reference
 from .kernels.dispatch import served_by
@@ -30,33 +29,7 @@ from .kernels.reference import FP8_DTYPE
 __all__ = ["Fp8Tokens", "quantize_fp8", "maxsim_fp8"]
 
 
-class Fp8Tokens(NamedTuple):
-    """Quantised token embeddings: ``values`` e4m3 ``[..., L, d]``, ``scales`` fp32 ``[..., L]``.
-
-    ``values[..., t, :] * scales[..., t]`` is token ``t``.  Slice both alike
-    (:meth:`select`) to take a part of an index.
-    """
-
-    values: torch.Tensor
-    scales: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    def select(self, index) -> "Fp8Tokens":
-        """The same leading-dimension ``index`` (int, slice, tensor) of values and scales."""
-        return Fp8Tokens(self.values[index], self.scales[index])
-
-    def to(self, device) -> "Fp8Tokens":
-        return Fp8Tokens(self.values.to(device), self.scales.to(device))
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return reference.dequantize_fp8(self.values, self.scales, dtype)
+Fp8Tokens = scaled_tokens_type("Fp8Tokens", __name__, "e4m3")
 
 
 def _check_source(name: str, x) -> None:

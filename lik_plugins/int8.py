@@ -16,12 +16,11 @@ dequantised fp32 tokens (chunked path).  ``LIK_DISABLE=1`` routes to the referen
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from . import _routing, library
 from ._config import disabled, forced_backend
+from ._tokens import scaled_tokens_type
 from ._validate import check_geometry, check_options
 from .fp8 import _check_source
 from .kernels import reference
@@ -29,33 +28,7 @@ from .kernels import reference
 __all__ = ["Int8Tokens", "quantize_int8", "maxsim_int8"]
 
 
-class Int8Tokens(NamedTuple):
-    """Quantised token embeddings: ``values`` int8 ``[..., L, d]``, ``scales`` fp32 ``[..., L]``.
-
-    ``values[..., t, :] * scales[..., t]`` is token ``t``.  Slice both alike
-    (:meth:`select`) to take a part of an index.
-    """
-
-    values: torch.Tensor
-    scales: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    def select(self, index) -> "Int8Tokens":
-        """The same leading-dimension ``index`` (int, slice, tensor) of values and scales."""
-        return Int8Tokens(self.values[index], self.scales[index])
-
-    def to(self, device) -> "Int8Tokens":
-        return Int8Tokens(self.values.to(device), self.scales.to(device))
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return reference.dequantize_int8(self.values, self.scales, dtype)
+Int8Tokens = scaled_tokens_type("Int8Tokens", __name__, "int8")
 
 
 def _quantize(x: torch.Tensor) -> Int8Tokens:

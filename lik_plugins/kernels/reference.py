@@ -133,9 +133,13 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
-def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The tokens an fp8 pair stands for: ``values * scales`` in ``dtype``."""
+def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tokens a quantised pair (fp8 or int8 values, fp32 scales) stands for:
+    ``values * scales`` in ``dtype``."""
     return values.to(dtype) * scales.to(dtype).unsqueeze(-1)
+
+
+dequantize_fp8 = dequantize_int8 = dequantize
 
 
 def maxsim_fp8(
@@ -180,11 +184,6 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.where(amax > 0, amax / torch.full_like(amax, float(INT8_MAX)), torch.ones_like(amax))
     values = torch.round(x.float() / scales.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return values, scales
-
-
-def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The tokens an int8 pair stands for: ``values * scales`` in ``dtype``."""
-    return values.to(dtype) * scales.to(dtype).unsqueeze(-1)
 
 
 def maxsim_int8(
