@@ -135,17 +135,16 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="
             contrib = (weight.unsqueeze(-1) * qh.unsqueeze(1)).masked_fill(~ok.unsqueeze(-1), 0)  # [a, NJ, Lq, d]
             gd.index_add_(0, flat.reshape(-1), contrib.reshape(-1, dim))
 
-    grad_q = grad_d = None
-    if need_q:
-        if normalize:
-            gq = project_out_norm(gq, Q.to(cdt), rq.to(cdt))
-        grad_q = gq.to(Q.dtype)
-    if need_d:
-        gd = gd.view(D.shape)
-        if normalize:
-            gd = project_out_norm(gd, D.to(cdt), rd.to(cdt))
-        grad_d = gd.to(D.dtype)
-    return grad_q, grad_d
+    return _finish(gq, Q, rq, normalize), _finish(None if gd is None else gd.view(D.shape), D, rd, normalize)
+
+
+def _finish(g, X, inv_norm, normalize):
+    """An accumulated gradient (or None) through the normalisation's Jacobian, in ``X``'s dtype."""
+    if g is None:
+        return None
+    if normalize:
+        g = project_out_norm(g, X.to(g.dtype), inv_norm.to(g.dtype))
+    return g.to(X.dtype)
 
 
 # --------------------------------------------------------------------------- smooth max
@@ -400,16 +399,7 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
                 q_rows = (cu_q[qs].long()[:, None] + t[None, :]).unsqueeze(1).expand_as(win)
                 d_rows = d_starts + win.clamp_min(0)
                 _scatter_winners(grad[qs].unsqueeze(-1), win, q_rows, d_rows, q_last, d_last, q_hat, d_hat, gq, gd)
-    grad_q = grad_d = None
-    if need_q:
-        if normalize:
-            gq = project_out_norm(gq, Q.to(cdt), rq.to(cdt))
-        grad_q = gq.to(Q.dtype)
-    if need_d:
-        if normalize:
-            gd = project_out_norm(gd, D.to(cdt), rd.to(cdt))
-        grad_d = gd.to(D.dtype)
-    return grad_q, grad_d
+    return _finish(gq, Q, rq, normalize), _finish(gd, D, rd, normalize)
 
 
 def _scatter_winners(g, win, q_rows, d_rows, q_last, d_last, q_hat, d_hat, gq, gd):
