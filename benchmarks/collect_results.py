@@ -13,7 +13,7 @@ compared with any dataframe tool.  Columns:
   implementation's best run), empty where the script stored one number.
 * ``source``: the JSON file inside the folder that holds the number (with its command line).
 
-Reads ``kernels.json`` (benchmarks/bench_kernels.py), ``pylate_e2e*.json``
+Reads ``kernels.json`` (benchmarks/bench_kernels.py), ``real_loop*.json`` (benchmarks/real_loop.py), ``pylate_e2e*.json``
 (benchmarks/pylate_e2e.py), ``colpali_e2e.json``, ``colpali_heads.json`` and
 ``fp8_fidelity.json`` (recipes/fp8_fidelity.py) where present; others are ignored.
 """
@@ -128,8 +128,22 @@ def fp8_fidelity(path: Path, fallback: dict, date: str):
             yield _row(base, shape, f"lik_plugins {precision}", metric, value, "")
 
 
+def real_loop(path: Path, fallback: dict, date: str):
+    """benchmarks/real_loop.py: one row per (loop, implementation, compile, cache) cell and metric."""
+    data = json.loads(path.read_text())
+    base = _base(data["meta"], fallback, date, path.name, "real_loop")
+    for r in data["rows"]:
+        if "error" in r:
+            continue
+        shape = f"{r['loop']}{' compiled' if r['compile'] else ''} {r['cache']} cache"
+        for metric, unit in (("first_step_s", "s"), ("first10_s", "s"), ("steady_median_ms", "ms"),
+                             ("steady_max_ms", "ms"), ("spikes_over_20x", "steps")):
+            yield _row(base, shape, r["impl"], metric, r.get(metric), unit)
+
+
 READERS = (
     ("kernels.json", kernels),
+    ("real_loop*.json", real_loop),
     ("pylate_e2e*.json", pylate_e2e),
     ("colpali_e2e.json", colpali_e2e),
     ("colpali_heads.json", colpali_heads),
@@ -138,13 +152,15 @@ READERS = (
 
 
 def collect(folder: Path) -> list[dict]:
-    """Every number of the folder's known JSON files as long-format rows (see module doc)."""
+    """Every number of the folder's known JSON files as long-format rows (see module doc),
+    and of its dated sub-folders (``2026-11-25/``)."""
+    rows = [row for sub in sorted(folder.iterdir()) if sub.is_dir() and re.fullmatch(r"\d{4}-\d{2}-\d{2}", sub.name)
+            for row in collect(sub)]
     fallback = _device_txt(folder)
     date = ""
     kernels_json = folder / "kernels.json"
     if kernels_json.is_file():  # the other scripts do not stamp a date; the kernel run does
         date = str(json.loads(kernels_json.read_text())["meta"].get("date", ""))[:10]
-    rows: list[dict] = []
     for pattern, reader in READERS:
         for path in sorted(folder.glob(pattern)):
             rows.extend(reader(path, fallback, date))
