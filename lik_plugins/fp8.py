@@ -16,12 +16,15 @@ dequantised fp32 tokens, so results never depend on the hardware beyond fp32 rou
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _routing, library
 from ._config import disabled, forced_backend, triton_interpret
-from ._tokens import scaled_tokens_type
-from ._validate import FLOAT_DTYPES, check_geometry, check_options
+from ._tokens import TokenFormat, quantize_index, scaled_tokens_type
+from ._tokens import as_tokens as as_tokens_of
+from ._validate import check_geometry, check_options
 from .kernels import reference
 from .kernels.dispatch import served_by
 from .kernels.reference import FP8_DTYPE
@@ -30,15 +33,6 @@ __all__ = ["Fp8Tokens", "quantize_fp8", "maxsim_fp8"]
 
 
 Fp8Tokens = scaled_tokens_type("Fp8Tokens", __name__, "e4m3")
-
-
-def _check_source(name: str, x) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64 tokens, got {x.dtype}")
-    if x.dim() < 2 or x.shape[-1] == 0:
-        raise ValueError(f"{name} must be tokens [..., L, d] with d >= 1, got shape {tuple(x.shape)}")
 
 
 def quantize_tokens(x: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,47 +61,11 @@ def quantize_fp8(x: torch.Tensor, *, normalize: bool = False) -> Fp8Tokens:
     as long as it is served.  One fused kernel where the fp8 kernels run, torch elsewhere;
     the same bits either way.
     """
-    _check_source("quantize_fp8's input", x)
-    with torch.no_grad():
-        if normalize:
-            x = torch.nn.functional.normalize(x.float(), p=2, dim=-1, eps=reference.NORM_EPS)
-        if x.numel() and not bool(torch.isfinite(x.abs().amax(dim=-1)).all()):
-            raise ValueError("quantize_fp8: the tokens contain NaN or inf")
-        return _quantize(x)
+    return quantize_index(FP8, x, normalize)
 
 
-def _as_tokens(name: str, x, rank: tuple[int, ...], quantize: bool = True):
-    """``x`` checked, as :class:`Fp8Tokens` -- or, for a float tensor with ``quantize=False``,
-    the checked tensor itself (the kernel quantises it)."""
-    if isinstance(x, torch.Tensor):
-        _check_source(name, x)
-        if x.dim() not in rank:
-            raise ValueError(f"{name} must be {' or '.join(f'{r}-D' for r in rank)}, got shape {tuple(x.shape)}")
-        if torch.is_grad_enabled() and x.requires_grad:
-            raise RuntimeError(
-                f"maxsim_fp8 is inference-only and {name} requires grad; train with lik_plugins.maxsim, "
-                "or call maxsim_fp8 under torch.no_grad()"
-            )
-        if not quantize:
-            return x
-        with torch.no_grad():
-            # unchecked: a non-finite query gives NaN scores, as in lik_plugins.maxsim
-            return _quantize(x)
-    if not isinstance(x, Fp8Tokens):
-        raise TypeError(f"{name} must be a float tensor or Fp8Tokens (from quantize_fp8), got {type(x).__name__}")
-    values, scales = x
-    if values.dtype != FP8_DTYPE:
-        raise TypeError(f"{name}.values must be {FP8_DTYPE}, got {values.dtype}")
-    if values.dim() not in rank:
-        raise ValueError(f"{name} must be {' or '.join(f'{r}-D' for r in rank)}, got shape {tuple(values.shape)}")
-    if scales.dtype != torch.float32 or tuple(scales.shape) != tuple(values.shape[:-1]):
-        raise ValueError(
-            f"{name}.scales must be float32 of shape {tuple(values.shape[:-1])}, "
-            f"got {scales.dtype} {tuple(scales.shape)}"
-        )
-    if scales.device != values.device:
-        raise ValueError(f"{name}.scales is on {scales.device} but {name}.values on {values.device}")
-    return Fp8Tokens(values, scales.contiguous())
+FP8 = TokenFormat("fp8", Fp8Tokens, FP8_DTYPE, _quantize)
+as_tokens = functools.partial(as_tokens_of, FP8)
 
 
 # Largest re-quantisation the fused path may do: every program quantises its own query
@@ -152,9 +110,9 @@ def maxsim_fp8(
         float32 scores of the dequantised tokens (``reference.maxsim_fp8``).
     """
     check_options("auto", mask_mode)
-    d = _as_tokens("D", D, (3, 4))
+    d = as_tokens("D", D, (3, 4))
     # a float query is quantised inside the op (in the scoring kernel where that pays)
-    q = _as_tokens("Q", Q, (3,), quantize=False)
+    q = as_tokens("Q", Q, (3,), quantize=False)
     q_values, q_scales = (q, None) if isinstance(q, torch.Tensor) else q
     q_mask, d_mask, _ = check_geometry(q_values, d.values, q_mask, d_mask)
     with torch.no_grad():

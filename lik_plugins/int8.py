@@ -16,13 +16,15 @@ dequantised fp32 tokens (chunked path).  ``LIK_DISABLE=1`` routes to the referen
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _routing, library
 from ._config import disabled, forced_backend
-from ._tokens import scaled_tokens_type
+from ._tokens import TokenFormat, quantize_index, scaled_tokens_type
+from ._tokens import as_tokens as as_tokens_of
 from ._validate import check_geometry, check_options
-from .fp8 import _check_source
 from .kernels import reference
 
 __all__ = ["Int8Tokens", "quantize_int8", "maxsim_int8"]
@@ -49,46 +51,11 @@ def quantize_int8(x: torch.Tensor, *, normalize: bool = False) -> Int8Tokens:
         >>> index.values.dtype, index.scales.shape
         (torch.int8, torch.Size([100, 180]))
     """
-    _check_source("quantize_int8's input", x)
-    with torch.no_grad():
-        if normalize:
-            x = torch.nn.functional.normalize(x.float(), p=2, dim=-1, eps=reference.NORM_EPS)
-        if x.numel() and not bool(torch.isfinite(x.abs().amax(dim=-1)).all()):
-            raise ValueError("quantize_int8: the tokens contain NaN or inf")
-        return _quantize(x)
+    return quantize_index(INT8, x, normalize)
 
 
-def as_tokens(name: str, x, rank: tuple[int, ...], quantize: bool = True):
-    """``x`` checked, as :class:`Int8Tokens` -- or, for a float tensor with ``quantize=False``,
-    the checked tensor itself (the op quantises it)."""
-    if isinstance(x, torch.Tensor):
-        _check_source(name, x)
-        if x.dim() not in rank:
-            raise ValueError(f"{name} must be {' or '.join(f'{r}-D' for r in rank)}, got shape {tuple(x.shape)}")
-        if torch.is_grad_enabled() and x.requires_grad:
-            raise RuntimeError(
-                f"maxsim_int8 is inference-only and {name} requires grad; train with lik_plugins.maxsim, "
-                "or call maxsim_int8 under torch.no_grad()"
-            )
-        if not quantize:
-            return x
-        with torch.no_grad():
-            return _quantize(x)
-    if not isinstance(x, Int8Tokens):
-        raise TypeError(f"{name} must be a float tensor or Int8Tokens (from quantize_int8), got {type(x).__name__}")
-    values, scales = x
-    if values.dtype != torch.int8:
-        raise TypeError(f"{name}.values must be torch.int8, got {values.dtype}")
-    if values.dim() not in rank:
-        raise ValueError(f"{name} must be {' or '.join(f'{r}-D' for r in rank)}, got shape {tuple(values.shape)}")
-    if scales.dtype != torch.float32 or tuple(scales.shape) != tuple(values.shape[:-1]):
-        raise ValueError(
-            f"{name}.scales must be float32 of shape {tuple(values.shape[:-1])}, "
-            f"got {scales.dtype} {tuple(scales.shape)}"
-        )
-    if scales.device != values.device:
-        raise ValueError(f"{name}.scales is on {scales.device} but {name}.values on {values.device}")
-    return Int8Tokens(values, scales.contiguous())
+INT8 = TokenFormat("int8", Int8Tokens, torch.int8, _quantize)
+as_tokens = functools.partial(as_tokens_of, INT8)
 
 
 def maxsim_int8(

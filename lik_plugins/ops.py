@@ -242,14 +242,13 @@ def _retrieve_quantised(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, ch
 
     kind, module = ("fp8", fp8) if isinstance(D, fp8.Fp8Tokens) else ("int8", int8)
     maxsim_q = module.maxsim_fp8 if kind == "fp8" else module.maxsim_int8
-    as_tokens = module._as_tokens if kind == "fp8" else module.as_tokens
     _check_retrieve_args(top_k, chunk)
     if normalize:
         raise ValueError(f"retrieve over an {kind} index cannot normalise: quantise normalised tokens "
                          f"(quantize_{kind}(D, normalize=True)) and pass normalized queries")
     if D.values.dim() != 3:
         raise ValueError(f"retrieve needs an {kind} index [Nd, Ld, d], got shape {tuple(D.values.shape)}")
-    q = as_tokens("Q", Q, (3,))  # quantised once for every chunk
+    q = module.as_tokens("Q", Q, (3,))  # quantised once for every chunk
     d_mask = check_mask("d_mask", d_mask, tuple(D.values.shape[:-1]), D)
     _routing.record("retrieve", served_by(q.values, kind))
 
