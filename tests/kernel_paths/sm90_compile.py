@@ -1,6 +1,8 @@
-"""Compile the forward kernel for an H100 (sm_90) on a machine without a GPU.
+"""Compile a Triton kernel for an H100 (sm_90) on a machine without a GPU.
 
-    python tests/kernel_paths/sm90_compile.py NAME=VALUE ...   (constexprs, pointer types, num_warps/num_stages)
+    python tests/kernel_paths/sm90_compile.py [KERNEL=module.name] NAME=VALUE ...
+        (constexprs, pointer types, num_warps/num_stages; KERNEL defaults to forward.maxsim_fwd_kernel,
+        modules of lik_plugins.kernels.triton)
 
 Triton lowers to PTX and runs ptxas without a device, so this catches what the CPU
 interpreter cannot: Python that Triton's compiler rejects (a non-constexpr global, a bad
@@ -15,17 +17,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lik_plugins.kernels.triton import forward
+import importlib
 
 POINTERS = {"Q": "*bf16", "D": "*bf16", "QM": "*u8", "DM": "*u8", "RQ": "*fp32", "RD": "*fp32", "OUT": "*fp32",
             "ARG": "*i16", "CU_Q": "*i32", "CU_D": "*i32", "PAIR_Q": "*i32", "PAIR_D": "*i32", "A0": "*fp32",
-            "A1": "*fp32", "A2": "*fp32"}
+            "A1": "*fp32", "A2": "*fp32", "G": "*fp32", "GQ": "*fp32", "GD32": "*fp32"}
 META = dict(HAS_QM=False, HAS_DM=True, ZERO_MODE=False, NORMALIZE=False, SAVE_ARG=True, ROWS_PER_Q=32, QPB=8,
             BLOCK_N=64, BLOCK_K=128, D_PAD=128, UPCAST=False, PRECISION="tf32")
 
 
-def compile_forward(settings: dict):
+def compile_kernel(settings: dict):
     pointers, meta, options = dict(POINTERS), dict(META), {}
+    module, name = settings.pop("KERNEL", "forward.maxsim_fwd_kernel").split(".")
+    fn = getattr(importlib.import_module(f"lik_plugins.kernels.triton.{module}"), name)
     for key, value in settings.items():
         if key in ("num_warps", "num_stages"):
             options[key] = value
@@ -33,7 +37,6 @@ def compile_forward(settings: dict):
             pointers[key] = value
         else:
             meta[key] = value
-    fn = forward.maxsim_fwd_kernel
     params = list(inspect.signature(fn.fn).parameters.values())
     signature, constants = {}, {}
     for i, p in enumerate(params):
@@ -49,5 +52,5 @@ if __name__ == "__main__":
     settings = {}
     for arg in sys.argv[1:]:
         key, value = arg.split("=", 1)
-        settings[key] = value if value.startswith("*") else eval(value)  # noqa: S307 (test helper)
-    print(f"shared={compile_forward(settings).metadata.shared}")
+        settings[key] = value if value.startswith("*") or key == "KERNEL" else eval(value)  # noqa: S307
+    print(f"shared={compile_kernel(settings).metadata.shared}")

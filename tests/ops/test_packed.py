@@ -95,6 +95,28 @@ def test_pairs_unsorted_duplicates_and_grads(backend, gen):
     _close(out.detach(), full[pair_q, pair_d])
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+def test_rerank_gradients_split_over_programs(backend, gen, normalize, monkeypatch):
+    # one query against many documents: the Triton backward splits the query's documents
+    # over several programs that add into one grad_Q row (fp32 atomics, finished on the host)
+    from lik_plugins.kernels.dispatch import sm_count
+    from lik_plugins.kernels.triton import launch
+
+    n_docs = 100
+    monkeypatch.setattr(launch, "GATHER_SPLIT_MIN_STEPS", 2)
+    assert launch._gather_blocking(1, n_docs, 9, 16, sm_count(torch.device("cpu")))[3] > 1
+    Qp, cu_q, mq = lik.pack(_ragged(gen, (9,)))
+    Dp, cu_d, md = lik.pack(_ragged(gen, [int(n) for n in torch.randint(0, 6, (n_docs,), generator=gen)]))
+    Qp.requires_grad_()
+    Dp.requires_grad_()
+    out = lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, md, normalize=normalize)
+    want = reference.maxsim_varlen(Qp.double(), Dp.double(), cu_q, cu_d, normalize=normalize)
+    _close(out, want)
+    for got, ref in zip(_grads(out, (Qp, Dp), torch.Generator().manual_seed(3)),
+                        _grads(want, (Qp, Dp), torch.Generator().manual_seed(3))):
+        _close(got, ref)
+
+
 def test_one_pair_and_no_queries(backend, gen):
     Qp, cu_q, _ = lik.pack(_ragged(gen, (6,)))
     Dp, cu_d, _ = lik.pack(_ragged(gen, (5, 8)))

@@ -68,6 +68,7 @@ def _gather_walk(
     s_gdi, s_gdj, s_ai, gd_j0,
     NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_J: tl.constexpr, D_PAD: tl.constexpr,
+    CU_D=None, PAIR_D=None, VARLEN: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
     # BLOCK_J documents per step, unrolled: BLOCK_J * BLOCK_S independent row gathers in
     # flight instead of one dependent (argmax -> row) load chain per document.  Each
@@ -75,6 +76,9 @@ def _gather_walk(
     # summed over its first axis measured 3-6x slower at BLOCK_J >= 4 on an H100 (the
     # sum crossed warps; docs/performance-notes.md).  grad_Q accumulates in ``b_acc``; with SCATTER_D,
     # ``g * q`` goes to GD32 (document ``j`` at ``j - gd_j0``) with relaxed atomics.
+    # VARLEN (packed documents, zero document strides): document ``j`` starts at packed row
+    # CU_D[j] -- or CU_D[PAIR_D[i_q]] for PAIRS, where ``i_q`` is a pair with one document --
+    # and its inverse norms and fp32 gradient rows are packed alike.
     o_h = tl.arange(0, D_PAD)
     for j0 in range(j_lo, j_hi, BLOCK_J):
         for jj in tl.static_range(BLOCK_J):
@@ -85,25 +89,37 @@ def _gather_walk(
             m_a = b_a >= 0
             m_ah = m_a[:, None] & m_h[None, :]
             p_doc = i_q * s_di + i_j.to(tl.int64) * s_dj
+            p_rd = RD + i_q * s_rdi + i_j.to(tl.int64) * s_rdj
+            p_gd = GD32 + i_q * s_gdi + (i_j - gd_j0).to(tl.int64) * s_gdj
+            if VARLEN:
+                if PAIRS:
+                    doc = tl.load(PAIR_D + i_q)
+                else:
+                    doc = i_j
+                d_first = tl.load(CU_D + doc, mask=m_j, other=0).to(tl.int64)
+                p_doc += d_first * s_dt
+                p_rd += d_first
+                p_gd += d_first * dim
             if NEED_Q:
                 p_d = D + p_doc + b_a[:, None] * s_dt + o_h[None, :] * s_dh
                 b_d = tl.load(p_d, mask=m_ah, other=0.0).to(tl.float32)                  # [BS, DP]
                 b_w = tl.where(m_a, b_g, 0.0)                                           # [BS]
                 if NORMALIZE:
-                    b_w = b_w * tl.load(RD + i_q * s_rdi + i_j.to(tl.int64) * s_rdj + b_a, mask=m_a, other=0.0)
+                    b_w = b_w * tl.load(p_rd + b_a, mask=m_a, other=0.0)
                 b_acc += b_d * b_w[:, None]
             if SCATTER_D:
-                p_gd = GD32 + i_q * s_gdi + (i_j - gd_j0).to(tl.int64) * s_gdj + b_a[:, None] * dim + o_h[None, :]
+                p_gd = p_gd + b_a[:, None] * dim + o_h[None, :]
                 tl.atomic_add(p_gd, b_qs * b_g, mask=m_ah, sem="relaxed")             # fire-and-forget red
     return b_acc
 
 
 @triton.jit
-def _store_grad_q(GQ, b_acc, b_q, b_rq, i_q, o_s, m_s, m_h, lq, dim, NORMALIZE: tl.constexpr):
+def _store_grad_q(GQ, b_acc, b_q, b_rq, row0, o_s, m_s, m_h, dim, NORMALIZE: tl.constexpr):
+    """Write grad_Q rows ``row0 + o_s`` (contiguous ``[.., dim]``) in GQ's dtype."""
     if NORMALIZE:
         b_acc = _project(b_acc, b_q, b_rq)
     o_h = tl.arange(0, b_acc.shape[1])
-    p_gq = GQ + i_q * lq * dim + o_s[:, None] * dim + o_h[None, :]
+    p_gq = GQ + (row0 + o_s[:, None]) * dim + o_h[None, :]
     tl.store(p_gq, b_acc.to(GQ.dtype.element_ty), mask=m_s[:, None] & m_h[None, :])
 
 
@@ -138,7 +154,7 @@ def _gather_body(
             p_gq = GQ + ((i_split * n_q + i_q) * lq + o_s[:, None]) * dim + o_h[None, :]
             tl.store(p_gq, b_acc, mask=m_s[:, None] & m_h[None, :])
         else:
-            _store_grad_q(GQ, b_acc, b_q, b_rq, i_q, o_s, m_s, m_h, lq, dim, NORMALIZE)
+            _store_grad_q(GQ, b_acc, b_q, b_rq, i_q * lq, o_s, m_s, m_h, dim, NORMALIZE)
 
 
 @triton.jit
@@ -472,6 +488,60 @@ def maxsim_bwd_winners_kernel(
             pid, G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
             s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_ai, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD,
         )
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_j", "lq", "s_gi", "s_ai", "n_split", "j_per_split"])
+def maxsim_bwd_varlen_kernel(
+    G, Q, D, RQ, RD, ARG, GQ, GD32, CU_Q, CU_D, PAIR_Q, PAIR_D,
+    n_rows, n_j, lq, dim,
+    s_gi, s_gj,
+    s_qs, s_qh,
+    s_dt, s_dh,
+    s_ai,
+    n_split, j_per_split,
+    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, ATOMIC_Q: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """The packed backward (``forward.py``'s VARLEN / PAIRS layouts): the gather walk of the
+    dense kernels over packed rows.  One program per (row of ``G``, block of ``BLOCK_S``
+    query tokens, split of the documents): a row is a query against every document (``n_j``
+    of them) or, with PAIRS, one pair (``n_j == 1``).  grad_D is scattered into the fp32
+    ``GD32 [sum Ld, d]`` with relaxed atomics; grad_Q is stored (projected, in Q's dtype) by
+    the one program that owns the rows, or -- ``ATOMIC_Q``: pairs, whose queries repeat, and
+    split walks -- added into an fp32 ``GQ [sum Lq, d]`` for the host to finish.  Winners
+    are relative to their document's first row; -1 (none, or past the query) adds nothing."""
+    pid = tl.program_id(0)
+    i_split = pid % n_split
+    pid = pid // n_split
+    n_sb = tl.cdiv(lq, BLOCK_S)
+    i_row = (pid // n_sb).to(tl.int64)
+    o_s = (pid % n_sb) * BLOCK_S + tl.arange(0, BLOCK_S)
+    o_h = tl.arange(0, D_PAD)
+    m_h = o_h < dim
+    if PAIRS:
+        query = tl.load(PAIR_Q + i_row)
+    else:
+        query = i_row
+    q_first = tl.load(CU_Q + query).to(tl.int64)
+    q_len = tl.load(CU_Q + query + 1) - q_first
+    m_s = (o_s < lq) & (o_s < q_len)
+    b_q = tl.load(Q + (q_first + o_s[:, None]) * s_qs + o_h[None, :] * s_qh,
+                  mask=m_s[:, None] & m_h[None, :], other=0.0).to(tl.float32)          # [BS, DP]
+    b_rq = tl.load(RQ + q_first + o_s, mask=m_s & NORMALIZE, other=1.0)
+    b_qs = b_q * b_rq[:, None] if NORMALIZE else b_q                                  # q_hat
+    j_lo = i_split * j_per_split
+    b_acc = _gather_walk(
+        tl.zeros([BLOCK_S, D_PAD], tl.float32), i_row, o_s, m_s, m_h, b_qs, j_lo,
+        tl.minimum(j_lo + j_per_split, n_j),
+        G, D, RD, ARG, GD32, lq, dim, s_gi, s_gj, 0, 0, s_dt, s_dh, 0, 0, 0, 0, s_ai, 0,
+        NEED_Q, SCATTER_D, NORMALIZE, BLOCK_J, D_PAD, CU_D, PAIR_D, True, PAIRS,
+    )
+    if NEED_Q:
+        if ATOMIC_Q:
+            p_gq = GQ + (q_first + o_s[:, None]) * dim + o_h[None, :]
+            tl.atomic_add(p_gq, b_acc, mask=m_s[:, None] & m_h[None, :], sem="relaxed")
+        else:
+            _store_grad_q(GQ, b_acc, b_q, b_rq, q_first, o_s, m_s, m_h, dim, NORMALIZE)
 
 
 @triton.jit(do_not_specialize=["n_rows"])

@@ -30,7 +30,7 @@ from ..common import COMPACT_MAX_ROWS, argmax_dtype, inverse_norms
 from ..dispatch import sm_count
 from . import direct
 from .backward import (
-    maxsim_bwd_gather_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
+    maxsim_bwd_gather_kernel, maxsim_bwd_varlen_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
 )
 from . import forward as forward_formats
 from .direct import launch
@@ -760,10 +760,62 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
 
 
 def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q, need_d):
-    """The packed backward: for now the torch gather / scatter through the winners of
-    :func:`lik_plugins.kernels.chunked.varlen_backward` (a few ``index_add_`` launches per
-    chunk, no host sync), not a Triton kernel."""
-    from .. import chunked
+    """Gradients of :func:`varlen_forward` through its winners, same signature and outputs as
+    :func:`lik_plugins.kernels.chunked.varlen_backward`: one launch of the packed gather
+    (``maxsim_bwd_varlen_kernel``) -- grad_Q gathered per query block, grad_D scattered into
+    an fp32 buffer with atomics (the ``unified`` strategy: the packed documents have no
+    fixed tile grid for the destination-owned lowmem kernels), then one pass that applies
+    the normalisation Jacobian or casts.  fp32 atomics add in no fixed order, so packed
+    gradients can differ in the last bits between runs."""
+    device = Q.device
+    dim = Q.shape[-1]
+    if grad.dtype != torch.float32:
+        grad = grad.float()
+    max_q = argmax.shape[-1]
+    n_rows = grad.shape[0]
+    n_j = 1 if pairs is not None else grad.shape[1]
+    if not (Q.shape[0] and D.shape[0] and n_rows * n_j * max_q):
+        return (torch.zeros_like(Q) if need_q else None), (torch.zeros_like(D) if need_d else None)
+    placeholder = _placeholder(device, torch.float32)
+    rq = inverse_norms(Q) if normalize else placeholder
+    rd = inverse_norms(D) if normalize else placeholder
+    d_pad = max(16, next_pow2(dim))
+    block_s, block_j, base_programs, n_split, j_per_split = _gather_blocking(n_rows, n_j, max_q, d_pad,
+                                                                             sm_count(device))
+    # a pair list repeats queries, and a split walks a query's documents in several programs:
+    # then several programs add into one grad_Q row
+    atomic_q = pairs is not None or n_split > 1
+    gq = None
+    if need_q:
+        # zeros: rows no offset covers (before cu_q[0]) get no program
+        gq = torch.zeros(Q.shape, dtype=torch.float32 if atomic_q else Q.dtype, device=device)
+    gd32 = torch.zeros(D.shape, dtype=torch.float32, device=device) if need_d else None
+    index = _placeholder(device, torch.int32)
+    pair_q, pair_d = pairs if pairs is not None else (index, index)
+    launch(maxsim_bwd_varlen_kernel, (base_programs * n_split,), (
+        grad, Q, D, rq, rd, argmax, gq if gq is not None else placeholder, gd32 if gd32 is not None else placeholder,
+        cu_q, cu_d, pair_q, pair_d,
+        n_rows, n_j, max_q, dim,
+        grad.stride(0), grad.stride(1) if pairs is None else 0,
+        Q.stride(0), Q.stride(1), D.stride(0), D.stride(1),
+        argmax.stride(0), n_split, j_per_split,
+    ), dict(
+        NEED_Q=bool(need_q), SCATTER_D=bool(need_d), NORMALIZE=bool(normalize), ATOMIC_Q=atomic_q,
+        PAIRS=pairs is not None, BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
+    ))
+    grad_q = grad_d = None
+    if need_q:
+        grad_q = _finish_rows(gq, Q, rq, normalize) if atomic_q else gq
+    if need_d:
+        grad_d = _finish_rows(gd32, D, rd, normalize)
+    return grad_q, grad_d
 
-    return chunked.varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, normalize=normalize, need_q=need_q,
-                                   need_d=need_d)
+
+def _finish_rows(g32, X, inv_norm, normalize):
+    """An fp32 gradient buffer of ``X``'s rows as ``X``'s gradient: through the
+    normalisation Jacobian, or cast (the buffer itself for fp32)."""
+    if normalize:
+        out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
+        _project_into(g32, X, inv_norm, out)
+        return out
+    return g32 if X.dtype == torch.float32 else g32.to(X.dtype)
