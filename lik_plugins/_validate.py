@@ -99,14 +99,19 @@ def check_index_tensor(name: str, x, owner) -> torch.Tensor:
     return x
 
 
-def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen, max_name: str):
-    """Checks of ``cu_seqlens`` against its packed tensor of ``packed_rows`` tokens: starts
-    at 0, ends at ``packed_rows``, never decreases, and no sequence is longer than
-    ``max_seqlen``.  Returns ``(ok, longest)`` as 0-d device tensors (no host sync here)."""
+def check_offsets_shape(name: str, cu: torch.Tensor, packed_rows: int) -> None:
+    """What the host can check of ``cu_seqlens`` without reading it."""
     if cu.numel() == 0:
         raise ValueError(f"{name} must hold at least one offset (0), got an empty tensor")
     if packed_rows > _INT32_MAX:
         raise ValueError(f"{name}: {packed_rows} packed tokens do not fit int32 offsets")
+
+
+def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen, max_name: str):
+    """Checks of ``cu_seqlens`` against its packed tensor of ``packed_rows`` tokens: starts
+    at 0, ends at ``packed_rows``, never decreases, and no sequence is longer than
+    ``max_seqlen``.  Returns ``(ok, longest)`` as 0-d device tensors (no host sync here)."""
+    check_offsets_shape(name, cu, packed_rows)
     lengths = cu[1:] - cu[:-1]
     longest = torch.cat([lengths, lengths.new_zeros(1)]).max()
     ok = (cu[0] == 0) & (cu[-1] == packed_rows) & (lengths >= 0).all()

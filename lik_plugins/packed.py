@@ -30,9 +30,11 @@ import torch
 
 from . import _routing, library
 from ._validate import (
-    check_index_tensor, check_mask, check_max_seqlen, check_offsets, check_options, check_tensor, offsets_message,
+    check_index_tensor, check_mask, check_max_seqlen, check_offsets, check_offsets_shape, check_options, check_tensor,
+    offsets_message,
 )
 from .kernels import reference
+from .kernels.dispatch import served_by
 
 __all__ = ["maxsim_varlen", "score_pairs_packed", "maxsim_padded", "pack", "unpack"]
 
@@ -133,33 +135,23 @@ def _packed(entry, Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, q_mask, d_mas
     max_d = check_max_seqlen("max_seqlen_d", max_d)
     q_mask = check_mask("q_mask", q_mask, (Q.shape[0],), Q)
     d_mask = check_mask("d_mask", d_mask, (D.shape[0],), D)
-    checks = [  # (ok, what it checks), all on the device
-        (*check_offsets("cu_seqlens_q", cu_q, Q.shape[0], max_q, "max_seqlen_q"),
-         offsets_message("cu_seqlens_q", Q.shape[0], max_q, "max_seqlen_q")),
-        (*check_offsets("cu_seqlens_d", cu_d, D.shape[0], max_d, "max_seqlen_d"),
-         offsets_message("cu_seqlens_d", D.shape[0], max_d, "max_seqlen_d")),
-    ]
     if pair_q is not None:
         pair_q = check_index_tensor("pair_q_idx", pair_q, Q)
         pair_d = check_index_tensor("pair_d_idx", pair_d, D)
         if pair_q.shape != pair_d.shape:
             raise ValueError(f"pair_q_idx and pair_d_idx must have one length, got {pair_q.shape[0]} and "
                              f"{pair_d.shape[0]}")
-        nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
-        in_range = ((pair_q >= 0) & (pair_q < nq)).all() & ((pair_d >= 0) & (pair_d < nd)).all()
-        checks.append((in_range, None, f"pair indices must lie in [0, Nq={nq}) and [0, Nd={nd})"))
-    if max_q is None or max_d is None:
-        # one host read settles the bounds and every check, with clear Python errors
-        values = torch.stack([torch.stack([ok.to(torch.int64), (longest if longest is not None else ok).to(torch.int64)])
-                              for ok, longest, _ in checks]).tolist()
-        for (ok, _), (_, _, message) in zip(values, checks):
-            if not ok:
-                raise ValueError(message)
-        max_q = values[0][1] if max_q is None else max_q
-        max_d = values[1][1] if max_d is None else max_d
+    if max_q is not None and max_d is not None and Q.is_cuda and served_by(Q, "maxsim") == "triton":
+        # every check in one kernel launch: as torch ops they cost more host time than a
+        # rerank of a thousand candidates takes on the GPU (kernels/triton/checks.py)
+        from .kernels.triton.checks import packed_inputs_ok
+
+        check_offsets_shape("cu_seqlens_q", cu_q, Q.shape[0])
+        check_offsets_shape("cu_seqlens_d", cu_d, D.shape[0])
+        torch._assert_async(packed_inputs_ok(cu_q, Q.shape[0], max_q, cu_d, D.shape[0], max_d, pair_q, pair_d),
+                            _all_rules(cu_q, cu_d, Q.shape[0], D.shape[0], max_q, max_d))
     else:
-        for ok, _, message in checks:
-            torch._assert_async(ok, message)
+        max_q, max_d = _check_on_device(cu_q, cu_d, pair_q, pair_d, Q.shape[0], D.shape[0], max_q, max_d)
     cu_q, cu_d = cu_q.to(torch.int32), cu_d.to(torch.int32)
     if pair_q is not None:
         pair_q, pair_d = pair_q.to(torch.int32), pair_d.to(torch.int32)
@@ -177,6 +169,48 @@ def _packed(entry, Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, q_mask, d_mas
     return library.maxsim_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q=int(max_q),
                                  max_d=int(max_d), normalize=bool(normalize), zero_mode=mask_mode == "zero",
                                  entry=entry)
+
+
+def _check_on_device(cu_q, cu_d, pair_q, pair_d, rows_q, rows_d, max_q, max_d):
+    """The offsets rule (module docstring) and the pair indices' range, as torch ops on the
+    offsets' device; returns the bounds.  A missing bound is read from the offsets with one
+    host sync, which settles every check with a ``ValueError``; with both bounds given the
+    checks are asserted on the device (no sync)."""
+    checks = [  # (ok, longest, what it checks), all on the device
+        (*check_offsets("cu_seqlens_q", cu_q, rows_q, max_q, "max_seqlen_q"),
+         offsets_message("cu_seqlens_q", rows_q, max_q, "max_seqlen_q")),
+        (*check_offsets("cu_seqlens_d", cu_d, rows_d, max_d, "max_seqlen_d"),
+         offsets_message("cu_seqlens_d", rows_d, max_d, "max_seqlen_d")),
+    ]
+    if pair_q is not None:
+        checks.append((_pairs_in_range(cu_q, cu_d, pair_q, pair_d), None, _pairs_message(cu_q, cu_d)))
+    if max_q is None or max_d is None:
+        # one host read settles the bounds and every check, with clear Python errors
+        values = torch.stack([torch.stack([ok.to(torch.int64), (longest if longest is not None else ok).to(torch.int64)])
+                              for ok, longest, _ in checks]).tolist()
+        for (ok, _), (_, _, message) in zip(values, checks):
+            if not ok:
+                raise ValueError(message)
+        max_q = values[0][1] if max_q is None else max_q
+        max_d = values[1][1] if max_d is None else max_d
+    else:
+        for ok, _, message in checks:
+            torch._assert_async(ok, message)
+    return max_q, max_d
+
+
+def _pairs_in_range(cu_q, cu_d, pair_q, pair_d):
+    nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
+    return ((pair_q >= 0) & (pair_q < nq)).all() & ((pair_d >= 0) & (pair_d < nd)).all()
+
+
+def _pairs_message(cu_q, cu_d):
+    return f"pair indices must lie in [0, Nq={cu_q.numel() - 1}) and [0, Nd={cu_d.numel() - 1})"
+
+
+def _all_rules(cu_q, cu_d, rows_q, rows_d, max_q, max_d):
+    return "; ".join((offsets_message("cu_seqlens_q", rows_q, max_q, "max_seqlen_q"),
+                      offsets_message("cu_seqlens_d", rows_d, max_d, "max_seqlen_d"), _pairs_message(cu_q, cu_d)))
 
 
 def maxsim_padded(

@@ -33,7 +33,7 @@ def compile_kernel(settings: dict):
     for key, value in settings.items():
         if key in ("num_warps", "num_stages"):
             options[key] = value
-        elif key in pointers:
+        elif key in pointers or str(value).startswith("*"):
             pointers[key] = value
         else:
             meta[key] = value

@@ -233,3 +233,34 @@ def test_kill_switch_runs_the_reference(monkeypatch, gen):
     out = lik.maxsim_varlen(Qp, Dp, cu_q, cu_d)
     _close(out, reference.maxsim_varlen(Qp.double(), Dp.double(), cu_q, cu_d))
     assert lik.routing_counts()["maxsim_varlen"] == {"reference": 1}
+
+
+def test_one_launch_input_check_kernel(gen):
+    # the CUDA path checks offsets and pairs in one kernel (kernels/triton/checks.py): run
+    # it in the interpreter against the rule, case by case
+    from lik_plugins._config import triton_interpret
+
+    if not triton_interpret():
+        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+    from lik_plugins.kernels.triton.checks import packed_inputs_ok
+
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    cu_d = torch.tensor([0, 2, 9, 9, 10], dtype=torch.int64)
+    pq, pd = torch.tensor([2, 0, 1]), torch.tensor([3, 0, 2])
+
+    def ok(cq=cu_q, rq=8, mq=5, cd=cu_d, rd=10, md=7, p=(None, None)):
+        return int(packed_inputs_ok(cq, rq, mq, cd, rd, md, *p))
+
+    assert ok() == 1 and ok(p=(pq, pd)) == 1
+    assert ok(mq=4) == 0                                  # a query of 5 tokens over the bound
+    assert ok(md=6) == 0
+    assert ok(rq=9) == 0                                  # does not end at the packed length
+    assert ok(cq=torch.tensor([1, 3, 3, 8], dtype=torch.int32)) == 0          # does not start at 0
+    assert ok(cd=torch.tensor([0, 5, 4, 9, 10])) == 0     # decreasing
+    assert ok(p=(torch.tensor([2, 3, 1]), pd)) == 0       # query 3 of 3
+    assert ok(p=(pq, torch.tensor([3, -1, 2]))) == 0
+    long_q = torch.arange(0, 3001, dtype=torch.int32)     # longer than one check block
+    assert ok(cq=long_q, rq=3000, mq=1) == 1
+    bad = long_q.clone()
+    bad[2500] = 2498
+    assert ok(cq=bad, rq=3000, mq=1) == 0
