@@ -594,28 +594,52 @@ def maxsim_hidden_backward(
     grad: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor],
     argmax: torch.Tensor, normalize: bool, need_q: bool, need_h: bool, need_w: bool, need_b: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_Q, grad_H, grad_W, grad_b)`` (empty where not needed): the hidden states at
-    the winning positions are gathered (each distinct one once), projected and normalised
-    again, and the gradient flows back through that small product only."""
+    """``(grad_Q, grad_H, grad_W, grad_b)`` (empty where not needed).
+
+    Chunked path: the hidden states at the winning positions are gathered (each distinct
+    one once), projected and normalised again, and the gradient flows back through that
+    small product only.  Triton path: every token is projected again (one GEMM, microseconds
+    on a GPU; the ``[Nd, Ld, d]`` tokens live only during the backward, ``d/h`` of the
+    hidden states autograd already keeps) so the dense kernels' own backward runs on them:
+    finding the distinct winners needs a sort and a host sync, which cost more there
+    (``benchmarks/bench_compressed.py``).  Both are exact: a token that won nowhere has a
+    zero gradient either way."""
     from .kernels import chunked
 
-    ld, hidden = H.shape[1], H.shape[2]
-    positions, inverse, ok = chunked.winner_positions(argmax, ld)
+    nd, ld, hidden = H.shape
     need_rows = need_h or need_w or need_b
-    h_rows = H.reshape(-1, hidden)[positions]
-    rows = _project_hidden(h_rows, W, b)                                        # [U, d] fp32
-    inv = chunked.inverse_norms(rows) if normalize else None
-    rows_hat = rows * inv.unsqueeze(-1) if normalize else rows
-    gq, g_hat = chunked.backward_built(grad, Q, inverse, ok, rows_hat, normalize=normalize, need_q=need_q,
-                                       need_rows=need_rows)
+    dense = _path(Q, "hidden", "", Q.shape[-1]) == "triton"      # every token's row, in order
+    if dense:
+        from .kernels.triton import launch
+
+        h_rows = H.reshape(-1, hidden)
+        rows = _project_hidden(h_rows, W, b)                                    # [Nd*Ld, d] fp32
+        # the kernel's backward normalises both sides itself (its Jacobian included), so
+        # g_rows comes out with respect to the projected rows directly
+        gq, g_rows = launch.backward(grad, Q, rows.to(Q.dtype).view(nd, ld, -1), argmax, cross=True,
+                                     normalize=normalize, need_q=need_q, need_d=need_rows, strategy="lowmem",
+                                     q_masked=False)
+        g_rows = g_rows.reshape(rows.shape).to(rows.dtype) if need_rows else None
+    else:
+        positions, inverse, ok = chunked.winner_positions(argmax, ld)
+        h_rows = H.reshape(-1, hidden)[positions]
+        rows = _project_hidden(h_rows, W, b)                                    # [U, d] fp32
+        inv = chunked.inverse_norms(rows) if normalize else None
+        rows_hat = rows * inv.unsqueeze(-1) if normalize else rows
+        gq, g_hat = chunked.backward_built(grad, Q, inverse, ok, rows_hat, normalize=normalize, need_q=need_q,
+                                           need_rows=need_rows)
     grads = [gq if need_q else _no_tensor(Q), _no_tensor(Q), _no_tensor(Q), _no_tensor(Q)]
     if need_rows:
         # through the normalisation, then the affine map: d rows = g_rows, dW = g^T h, db = sum g
-        g_rows = chunked.project_out_norm(g_hat, rows, inv) if normalize else g_hat
+        if not dense:
+            g_rows = chunked.project_out_norm(g_hat, rows, inv) if normalize else g_hat
         if need_h:
-            full = torch.zeros((H.shape[0] * ld, hidden), dtype=H.dtype, device=H.device)
-            full[positions] = (g_rows @ W.to(g_rows.dtype)).to(H.dtype)
-            grads[1] = full.view(H.shape)
+            if dense:
+                grads[1] = (g_rows @ W.to(g_rows.dtype)).to(H.dtype).view(H.shape)
+            else:
+                full = torch.zeros((nd * ld, hidden), dtype=H.dtype, device=H.device)
+                full[positions] = (g_rows @ W.to(g_rows.dtype)).to(H.dtype)
+                grads[1] = full.view(H.shape)
         if need_w:
             grads[2] = (g_rows.t() @ h_rows.to(g_rows.dtype)).to(W.dtype)
         if need_b:
