@@ -2,7 +2,7 @@
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
 #   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|realloop|fidelity|parity|e2e|hosts|all] [options]
-# tune = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
+# tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e.
 # A cold machine compiles every specialisation: the suite took ~9 minutes in one process, so
@@ -55,7 +55,7 @@ fi
 
 if [[ $stage == tune ]]; then
   arch=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm{m}{n}')")
-  LIK_AUTOTUNE=1 timeout 560 python3 benchmarks/tune_table.py "$OUT/$arch.json" 2>&1 | tail -25
+  LIK_AUTOTUNE=1 timeout 560 python3 benchmarks/tune_table.py "$OUT/$arch.json" "$@" 2>&1 | tail -25
 fi
 if [[ $stage == realloop ]]; then
   host_env

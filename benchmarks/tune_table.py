@@ -1,6 +1,6 @@
 """Sweep the forward and lowmem-backward configs on this GPU and write its config table.
 
-    LIK_AUTOTUNE=1 python benchmarks/tune_table.py OUT.json
+    LIK_AUTOTUNE=1 python benchmarks/tune_table.py OUT.json [--formats]
 
 Runs every benchmark shape (``bench_kernels.ALL_SHAPES``: training shapes forward and
 backward, inference shapes forward, fp8 forward where the GPU has fp8 units) plus the
@@ -8,9 +8,14 @@ length buckets of ``real_loop.py``'s changing-length loops, each with the autotu
 writes the configs it chose as ``lik_plugins/kernels/triton/configs/<arch>.json``'s format
 (commit the file there: a fresh process then tunes nothing for these keys; see
 ``kernels/triton/tuning.py``).
+
+``--formats`` sweeps only the document formats other than float tokens (int8 tokens, PLAID
+residuals, the projection head: ``bench_compressed.py``'s shapes) and writes them merged
+into the committed table for this GPU (its other entries kept).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -35,8 +40,70 @@ def _run(Q, D, layout, train, dm=None):
             fn(Q, D, None, dm)
 
 
-def main(out: str) -> int:
+def _formats(t0: float) -> None:
+    """The int8, residual and projection-head forwards of bench_compressed.py (their own keys)."""
+    F = torch.nn.functional
+    dim, lq = 128, 32
+    Q = F.normalize(torch.randn(1, lq, dim, device="cuda"), dim=-1).bfloat16()
+    D = F.normalize(torch.randn(10000, 300, dim, device="cuda"), dim=-1).bfloat16()
+    with torch.no_grad():
+        lik.maxsim_int8(Q, lik.quantize_int8(D))
+        lik.maxsim_int8(lik.quantize_int8(Q), lik.quantize_int8(D))
+        for nq in (1, 32):
+            Qn = F.normalize(torch.randn(nq, lq, dim, device="cuda"), dim=-1).bfloat16()
+            for nbits in (2, 4):
+                centroids = F.normalize(torch.randn(16384, dim, device="cuda"), dim=-1).bfloat16()
+                codes = torch.randint(0, 16384, (10000 // nq, 300), device="cuda", dtype=torch.int32)
+                residuals = torch.randint(0, 256, (10000 // nq, 300, dim * nbits // 8), device="cuda",
+                                          dtype=torch.uint8)
+                weights = torch.sort(torch.randn(2**nbits, device="cuda") * 0.05).values
+                lengths = torch.full((codes.shape[0],), 300, dtype=torch.int32, device="cuda")
+                lik.maxsim_residual(Qn, codes, residuals, lengths, centroids, weights, nbits)
+    print(f"int8 + residual: {time.perf_counter() - t0:.0f}s", flush=True)
+    del D
+    for nq, nd, train in ((32, 32, True), (1, 1000, False), (32, 1000, False)):
+        Qh = F.normalize(torch.randn(nq, lq, dim, device="cuda"), dim=-1).bfloat16()
+        H = torch.randn(nd, 300, 768, device="cuda").bfloat16()
+        W = (torch.randn(dim, 768, device="cuda") / 768**0.5).bfloat16()
+        b = (torch.randn(dim, device="cuda") * 0.01).bfloat16()
+        if train:
+            Qh.requires_grad_()
+            W.requires_grad_()
+            lik.maxsim_from_hidden(Qh, H, W, b).sum().backward()
+        else:
+            with torch.no_grad():
+                lik.maxsim_from_hidden(Qh, H, W, b)
+    print(f"projection head: {time.perf_counter() - t0:.0f}s", flush=True)
+
+
+def _merge_into_committed(out: str, arch: str) -> int:
+    """Rewrite ``out`` as the committed table for ``arch`` with ``out``'s entries added or
+    replacing the ones of the same key; returns the number of entries."""
+    committed = os.path.join(os.path.dirname(tuning.__file__), "configs", f"{arch}.json")
+    with open(out) as f:
+        new = json.load(f)
+    entries = {}
+    if os.path.exists(committed):
+        with open(committed) as f:
+            entries = {(e["kernel"], json.dumps(e["key"])): e for e in json.load(f)["entries"]}
+    for e in new["entries"]:
+        entries[(e["kernel"], json.dumps(e["key"]))] = e
+    new["entries"] = [entries[k] for k in sorted(entries)]
+    with open(out, "w") as f:
+        json.dump(new, f, indent=1)
+    return len(new["entries"])
+
+
+def main(out: str, formats_only: bool = False) -> int:
     t0 = time.perf_counter()
+    if formats_only:
+        _formats(t0)
+        arch = tuning.architecture()
+        tuning.export_table(out, arch)
+        n = _merge_into_committed(out, arch)
+        print(f"{n} configs for {arch} (formats swept, the rest as committed) -> {out} in "
+              f"{time.perf_counter() - t0:.0f}s")
+        return 0
     fp8 = torch.cuda.get_device_capability() >= (8, 9)
     for shape in ALL_SHAPES:
         Q, D = make_inputs(shape)
@@ -63,4 +130,4 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], "--formats" in sys.argv[2:]))

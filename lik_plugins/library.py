@@ -483,8 +483,9 @@ def maxsim_residual_forward(
     if path == "triton":
         from .kernels.triton import launch
 
-        fmt = launch.DocFormat(launch.RESIDUAL, codes, centroids, bucket_weights, (0, *codes.stride()),
-                               centroids.shape[0], nbits)
+        weights = launch.stream_order_weights(bucket_weights, nbits)
+        fmt = launch.DocFormat(launch.RESIDUAL, codes, centroids, weights, (0, *codes.stride()), centroids.shape[0],
+                               nbits)
         scores, argmax = launch.forward(Q, residuals, None, d_mask, cross=True, normalize=normalize,
                                         zero_mode=False, save_argmax=save_argmax, doc_format=fmt)
     else:

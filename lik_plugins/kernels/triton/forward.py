@@ -58,7 +58,9 @@ def _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, n_centro
     """Decompressed tokens ``[BLOCK_K, WIDTH]`` fp32 (zeros outside ``m_t`` and ``dim``):
     ``centroids[code] + bucket_weights[bucket]``, the bucket read from the packed residual
     bits (reference.py documents the layout: each dimension's ``NBITS`` bits least
-    significant first, packed into bytes most significant first)."""
+    significant first, packed into bytes most significant first).  ``A2`` holds the weights
+    in stream order -- indexed by the field as it sits in the byte, i.e. by the bucket's bits
+    reversed (``launch.stream_order_weights``) -- so no per-element bit reversal is needed."""
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < dim
     code = tl.load(p_a0 + o_t * s_a0t, mask=m_t, other=0)
@@ -69,10 +71,7 @@ def _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, n_centro
     byte = tl.load(p_d + o_t[None, :] * s_dt + (first_bit // 8)[:, None] * s_dh, mask=m, other=0).to(tl.int32)
     shift = 8 - NBITS - first_bit % 8                                             # [BK]
     field = (byte >> shift[:, None]) & ((1 << NBITS) - 1)                         # stream order, MSB = bit 0
-    bucket = tl.zeros_like(field)
-    for k in tl.static_range(NBITS):
-        bucket = bucket | (((field >> (NBITS - 1 - k)) & 1) << k)                 # bit-reverse the field
-    weight = tl.load(A2 + bucket, mask=m, other=0.0).to(tl.float32)
+    weight = tl.load(A2 + field, mask=m, other=0.0).to(tl.float32)
     centroid = tl.load(A1 + code[None, :] * dim + o_k[:, None], mask=m, other=0.0).to(tl.float32)
     return tl.where(m, centroid + weight, 0.0)
 

@@ -272,7 +272,7 @@ class DocFormat(NamedTuple):
     * ``INT8``: ``D`` int8 tokens (``Q`` int8 too); the scales come in ``scales``.
     * ``RESIDUAL``: ``D`` the packed residuals ``[.., Ld, d*nbits/8]`` uint8, ``a0`` the codes
       ``[.., Ld]`` int32, ``a1`` the centroids ``[C, d]`` contiguous, ``a2`` the bucket
-      weights ``[2**nbits]`` fp32; ``aux_n = C``.
+      weights ``[2**nbits]`` fp32 in stream order (:func:`stream_order_weights`); ``aux_n = C``.
     * ``HIDDEN``: ``D`` the hidden states ``[.., Ld, h]``, ``a0`` the projection ``W [d, h]``
       contiguous, ``a1`` its bias ``[d]`` (``has_bias``); ``aux_n = h``.
 
@@ -290,6 +290,22 @@ class DocFormat(NamedTuple):
     def key(self) -> tuple:
         dtypes = tuple(None if t is None else t.dtype for t in (self.a0, self.a1, self.a2))
         return (self.kind, dtypes, self.a0_strides, self.aux_n, self.nbits, self.has_bias)
+
+
+_STREAM_ORDER: dict = {}
+
+
+def stream_order_weights(bucket_weights: torch.Tensor, nbits: int) -> torch.Tensor:
+    """``bucket_weights`` re-indexed by the residual field as stored in a byte (the bucket's
+    ``nbits`` bits reversed): the RESIDUAL operand's ``a2``.  The permutation is cached per
+    device; applying it is one small gather."""
+    key = (nbits, bucket_weights.device)
+    perm = _STREAM_ORDER.get(key)
+    if perm is None:
+        perm = torch.tensor([int(f"{field:0{nbits}b}"[::-1], 2) for field in range(1 << nbits)],
+                            device=bucket_weights.device)
+        _STREAM_ORDER[key] = perm
+    return bucket_weights[perm].contiguous()
 
 
 def _hidden_block(dtype: torch.dtype) -> int:
