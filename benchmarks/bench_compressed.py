@@ -6,13 +6,18 @@ Usage: python benchmarks/bench_compressed.py OUT_DIR [--smoke] [--reps 50]
 Peers, in the same process on the same inputs, where installed (a missing one is skipped
 and the table says so): late-interaction-kernels 0.4.5 (``plaid.maxsim_residual``,
 ``plaid.maxsim_residual_varlen``, ``plaid.plaid_approx_score``,
-``fused_head.maxsim_from_hidden``) and flash-maxsim 0.3.0's int8 path
-(``flash_maxsim_int8``).  A peer call that raises is recorded with its error, not hidden.
+``fused_head.maxsim_from_hidden``) and flash-maxsim 0.3.0's int8 paths
+(``flash_maxsim_int8``: affine uint8 tokens with fp16 scales and mins;
+``flash_maxsim_int8x8``: symmetric int8 x int8).  Each peer gets its own representation of
+the same data, built outside the timing: residual bytes re-packed into
+late-interaction-kernels' layout, its ``[C, Lq]`` centroid scores, flash-maxsim's own
+quantisation helpers.  A peer call that raises is recorded with its error, not hidden.
 
 Per row: median time (CUDA events; p10-p90 spread), peak memory above the inputs, max
-relative error against an fp32 computation of the same numbers, and for the memory-bound
-reranks the fraction of the bandwidth floor: the bytes of the compressed (or int8 / bf16)
-index read once at this GPU's measured copy bandwidth.  Writes ``compressed.json`` and
+relative error against an fp32 computation of the same numbers (int8 rows: of the
+unquantised tokens, plus the error against their own dequantised tokens), and for the
+memory-bound reranks the fraction of the bandwidth floor: the bytes of the compressed (or
+int8 / bf16) index read once at this GPU's measured copy bandwidth.  Writes ``compressed.json`` and
 ``compressed.md``.  ``--smoke``: tiny shapes on the CPU (timing by the wall clock), to
 show the script runs.
 """
@@ -32,6 +37,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lik_plugins as lik  # noqa: E402
 from lik_plugins import plaid  # noqa: E402
+from lik_plugins.kernels import reference  # noqa: E402
 
 from bench_kernels import environment, measure_ceilings  # noqa: E402
 
@@ -86,13 +92,15 @@ def _peer(module: str, attr: str):
         return None, f"{module}.{attr} unavailable: {type(exc).__name__}: {exc}"
 
 
-def _measure(rows, group, name, fn, ref, reps, cuda, floor_bytes=None, bw=None, extra=None):
+def _measure(rows, group, name, fn, ref, reps, cuda, floor_bytes=None, bw=None, extra=None, own_ref=None):
     row = {"group": group, "impl": name, **(extra or {})}
     try:
         out = fn()
         if cuda:
             torch.cuda.synchronize()
         row["rel_err"] = _rel(out, ref) if ref is not None else None
+        if own_ref is not None:
+            row["own_err"] = _rel(out, own_ref)
         del out
         row["peak_bytes"] = _peak(fn, cuda)
         row.update(_time(fn, reps, cuda))
@@ -109,6 +117,22 @@ def _measure(rows, group, name, fn, ref, reps, cuda, floor_bytes=None, bw=None, 
 def _skip(rows, group, name, why):
     rows.append({"group": group, "impl": name, "skipped": why})
     print(f"[skip] {group} / {name}: {why}")
+
+
+def _bucket_slots_low_first(residuals: torch.Tensor, nbits: int, dim: int) -> torch.Tensor:
+    """The same buckets in late-interaction-kernels 0.4.5's residual layout: dimension ``h``
+    in byte ``h // (8 / nbits)``, at bit offset ``(h % (8 / nbits)) * nbits`` from the least
+    significant bit (its ``maxsim_residual`` docstring: "little-endian within the byte").
+    Ours is ColBERTv2's: each bucket's bits least significant first in a stream packed most
+    significant bit first (``lik_plugins.plaid``)."""
+    per_byte = 8 // nbits
+    shifts = torch.arange(per_byte, device=residuals.device) * nbits
+    out = torch.empty_like(residuals)
+    for start in range(0, residuals.shape[0], 256):    # unpacking takes 64 bytes a bit: bounded chunks
+        buckets = reference.unpack_buckets(residuals[start:start + 256], nbits, dim)           # [n, ..., d]
+        slots = buckets.reshape(*buckets.shape[:-1], dim // per_byte, per_byte)
+        out[start:start + 256] = (slots << shifts).sum(-1).to(torch.uint8)
+    return out
 
 
 def residual_rows(rows, sz, reps, cuda, bw, device):
@@ -144,18 +168,23 @@ def residual_rows(rows, sz, reps, cuda, bw, device):
             _measure(rows, group, "lik_plugins maxsim_residual_varlen",
                      lambda: lik.maxsim_residual_varlen(Q, flat_codes, flat_res, cu_d, c_dev, w_d, nbits,
                                                         max_seqlen_d=ld), ref, reps, cuda, floor, bw, extra)
+            # late-interaction-kernels reads another byte layout (see _bucket_slots_low_first):
+            # the same buckets, re-packed outside the timing, so both score the same tokens
+            res_peer = _bucket_slots_low_first(res_d, nbits, dim) if m_res or m_var else None
+            peer_extra = {**extra, "note": "residuals re-packed into its byte layout outside the timing"}
             if m_res is None:
                 _skip(rows, group, "late-interaction-kernels maxsim_residual", why_res)
             else:
                 _measure(rows, group, "late-interaction-kernels maxsim_residual",
-                         lambda: m_res(Q, codes_d, res_d, len_d, c_dev, w_d, nbits), ref, reps, cuda, floor, bw,
-                         extra)
+                         lambda: m_res(Q, codes_d, res_peer, len_d, c_dev, w_d, nbits), ref, reps, cuda, floor, bw,
+                         peer_extra)
             if m_var is None:
                 _skip(rows, group, "late-interaction-kernels maxsim_residual_varlen", why_var)
             else:
+                flat_peer = res_peer.reshape(-1, res_peer.shape[-1])
                 _measure(rows, group, "late-interaction-kernels maxsim_residual_varlen",
-                         lambda: m_var(Q, flat_codes, flat_res, cu_d, c_dev, w_d, nbits, max_seqlen_d=ld), ref,
-                         reps, cuda, floor, bw, extra)
+                         lambda: m_var(Q, flat_codes, flat_peer, cu_d, c_dev, w_d, nbits, max_seqlen_d=ld), ref,
+                         reps, cuda, floor, bw, peer_extra)
             # the unfused way: decompress everything, then score (what fast-plaid's rerank does in spirit)
             _measure(rows, group, "decompress + lik_plugins maxsim",
                      lambda: lik.maxsim(Q, plaid.decompress(codes_d, res_d, c_dev, w_d, nbits).to(Q.dtype),
@@ -173,29 +202,62 @@ def residual_rows(rows, sz, reps, cuda, bw, device):
             if m_a is None:
                 _skip(rows, group_a, "late-interaction-kernels plaid_approx_score", why_a)
             else:
+                # its query_centroid_scores are [n_centroids, Lq] (centroids @ Q.T), ours [Lq, C]:
+                # passing ours made it compile a 16384-wide query tile (a CompilationError)
+                qcs_t = qcs.T.contiguous()
                 _measure(rows, group_a, "late-interaction-kernels plaid_approx_score",
-                         lambda: m_a(qcs, codes_d, len_d), ref_a, reps, cuda, codes.numel() * 4 + qcs.numel() * 4,
-                         bw)
+                         lambda: m_a(qcs_t, codes_d, len_d), ref_a, reps, cuda, codes.numel() * 4 + qcs.numel() * 4,
+                         bw, {"note": "query_centroid_scores passed as [C, Lq], its convention"})
 
 
 def int8_rows(rows, sz, reps, cuda, bw, device):
+    """int8 vs bf16 rerank.  Every row's ``rel_err`` is against the fp32 scores of the
+    unquantised tokens (what quantising costs, kernel included); ``own_err`` is a quantised
+    row's error against MaxSim of its own dequantised tokens (the kernel alone).  Each
+    library quantises the documents with its own helper, outside the timing."""
     g = torch.Generator(device="cpu").manual_seed(1)
     nd, ld, dim, lq = sz["rerank_docs"], sz["ld"], 128, 32
     D = F.normalize(torch.randn(nd, ld, dim, generator=g), dim=-1).to(device, torch.bfloat16)
     Q = F.normalize(torch.randn(1, lq, dim, generator=g), dim=-1).to(device, torch.bfloat16)
     index = lik.quantize_int8(D)
     group = f"int8 vs bf16 rerank 1x{nd} Ld{ld}"
+    tokens = nd * ld
     with torch.no_grad():
-        ref = lik.maxsim(Q.float(), index.dequantize())
+        ref = lik.maxsim(Q.float(), D.float())
         _measure(rows, group, "lik_plugins bf16 maxsim", lambda: lik.maxsim(Q, D), ref, reps, cuda, D.numel() * 2, bw)
+        own = reference.maxsim_int8(reference.quantize_int8(Q), tuple(index))
         _measure(rows, group, "lik_plugins maxsim_int8", lambda: lik.maxsim_int8(Q, index), ref, reps, cuda,
-                 index.values.numel() + index.scales.numel() * 4, bw)
+                 index.values.numel() + tokens * 4, bw, own_ref=own,
+                 extra={"note": "symmetric int8 per token (fp32 scale), query quantised in the call"})
+        # flash-maxsim 0.3.0: flash_maxsim_int8(Q [Lq, d], D_uint8, scales, mins) with its affine
+        # per-token uint8 (quantize_int8 -> values, fp16 scales, fp16 mins; fp16 query), and
+        # flash_maxsim_int8x8(Q, D_int8, d_scales) with its symmetric int8 (quantize_int8_symmetric;
+        # the query quantised in the call).  Both score one query: [Nd].
         fm, why = _peer("flash_maxsim", "flash_maxsim_int8")
         if fm is None:
             _skip(rows, group, "flash-maxsim flash_maxsim_int8", why)
         else:
-            _measure(rows, group, "flash-maxsim flash_maxsim_int8", lambda: fm(Q[0], D), ref, reps, cuda,
-                     D.numel(), bw)
+            import flash_maxsim as fmod
+
+            values, scales, mins = fmod.quantize_int8(D)
+            own = lik.maxsim(Q.half().float(), fmod.dequantize_int8(values, scales, mins))
+            _measure(rows, group, "flash-maxsim flash_maxsim_int8", lambda: fm(Q[0], values, scales, mins), ref, reps,
+                     cuda, values.numel() + tokens * 4, bw, own_ref=own,
+                     extra={"note": "affine uint8 per token (fp16 scale and min), fp16 query"})
+            del values, scales, mins
+        fm8, why = _peer("flash_maxsim", "flash_maxsim_int8x8")
+        if fm8 is None:
+            _skip(rows, group, "flash-maxsim flash_maxsim_int8x8", why)
+        else:
+            import flash_maxsim as fmod
+
+            values, scales = fmod.quantize_int8_symmetric(D)
+            q_values, q_scales = fmod.quantize_query_int8(Q[0])
+            own = lik.maxsim((q_values.float() * q_scales.float()[:, None])[None],
+                             values.float() * scales.float())
+            _measure(rows, group, "flash-maxsim flash_maxsim_int8x8", lambda: fm8(Q[0], values, scales), ref, reps,
+                     cuda, values.numel() + tokens * 2, bw, own_ref=own,
+                     extra={"note": "symmetric int8 x int8 (fp16 scales), query quantised in the call"})
 
 
 def hidden_rows(rows, sz, reps, cuda, device):
@@ -243,17 +305,23 @@ def markdown(rows, meta) -> str:
     lines = [f"# Compressed indexes and the fused head — {meta.get('device', 'CPU')}", "",
              f"Command: `{meta['command']}`; peers: late-interaction-kernels {meta.get('late_interaction_kernels')}, "
              f"flash-maxsim {meta.get('flash_maxsim')}; copy bandwidth {meta.get('copy_tb_per_s')} TB/s.", "",
-             "| case | implementation | median ms (p10-p90) | peak MiB | rel err | bandwidth floor |",
-             "|---|---|---|---|---|---|"]
+             "rel err: max relative error against fp32 scores of the same tokens (int8 rows: of the unquantised "
+             "tokens); err vs own dequantised: an int8 row against MaxSim of its own dequantised tokens.", "",
+             "| case | implementation | median ms (p10-p90) | peak MiB | rel err | err vs own dequantised "
+             "| bandwidth floor | note |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r or "error" in r:
-            lines.append(f"| {r['group']} | {r['impl']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'error: ' + r['error']} | | | |")
+            text = f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error']}"
+            text = " ".join(text.replace("|", "/").split())
+            lines.append(f"| {r['group']} | {r['impl']} | {text} | | | | | {r.get('note', '')} |")
             continue
         peak = "" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.1f}"
         frac = r.get("fraction_of_bandwidth_floor")
-        err = r.get("rel_err")
+        err, own = r.get("rel_err"), r.get("own_err")
         lines.append(f"| {r['group']} | {r['impl']} | {r['ms']:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f}) | {peak} | "
-                     f"{'' if err is None else f'{err:.1e}'} | {'' if frac is None else f'{frac:.0%}'} |")
+                     f"{'' if err is None else f'{err:.1e}'} | {'' if own is None else f'{own:.1e}'} | "
+                     f"{'' if frac is None else f'{frac:.0%}'} | {r.get('note', '')} |")
     return "\n".join(lines) + "\n"
 
 

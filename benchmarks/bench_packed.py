@@ -1,5 +1,5 @@
 """Packed, pair-list and padded MaxSim side by side with late-interaction-kernels 0.4.5 and
-flash-maxsim 0.3.0 (one process, the same inputs), plus PyLate's ``rank.rerank`` patched vs
+flash-maxsim 0.3.0 (the same inputs), plus PyLate's ``rank.rerank`` patched vs
 its own loop.
 
 Usage: python benchmarks/bench_packed.py OUT_DIR [--smoke] [--reps 30]
@@ -16,10 +16,16 @@ Cases (bf16, d = 128, document lengths uniform in 50-300, query lengths <= 32):
 
 Per case and implementation: median time over ``--reps`` (CUDA events; the interquartile
 range as spread), peak memory above the inputs, max abs difference from ours.  A missing
-peer is skipped with the reason printed.  flash-maxsim scores aligned pairs only: its rows
-get the pairs pre-gathered outside the timed region (noted in the table), and it has no
+peer is skipped, with the reason in the table.  flash-maxsim scores aligned pairs only: its
+rows get the pairs pre-gathered outside the timed region (noted in the table), and it has no
 in-batch packed cross product.  ``--smoke`` runs tiny sizes on the CPU (chunked path,
 wall-clock timer) to show the script works.  Writes ``packed.json`` and ``packed.md``.
+
+Isolation: every (case, implementation) runs in a child process of this script (``--child
+CASE IMPL``; same inputs from the case's seed; rows come back as JSON, our scores as a
+tensor file for the peers' differences).  A peer that crashes -- flash-maxsim 0.3.0's
+varlen kernel hit an illegal memory access on the 100k-pair case, which poisons the whole
+CUDA context -- leaves an error row with its message, and every other row still runs.
 """
 from __future__ import annotations
 
@@ -35,23 +41,6 @@ import torch
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lik_plugins as lik  # noqa: E402
-
-
-def _peers():
-    peers = {}
-    try:
-        import late_interaction_kernels as m
-
-        peers["late-interaction-kernels"] = m
-    except Exception as exc:  # noqa: BLE001 - report the missing peer
-        print(f"[bench] late-interaction-kernels unavailable: {exc!r}")
-    try:
-        import flash_maxsim as m
-
-        peers["flash-maxsim"] = m
-    except Exception as exc:  # noqa: BLE001
-        print(f"[bench] flash-maxsim unavailable: {exc!r}")
-    return peers
 
 
 def _timer(fn, reps, cuda):
@@ -103,78 +92,115 @@ def _sizes(smoke):
                 ld=(50, 300), lq=32, rr_q=100, rr_c=1000, d=128)
 
 
-def run(out_dir, smoke, reps):
-    cuda = torch.cuda.is_available() and not smoke
-    device = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    s = _sizes(smoke)
-    d, (lo, hi), lq = s["d"], s["ld"], s["lq"]
-    g = torch.Generator().manual_seed(0)
-    peers = _peers() if cuda else {}
-    rows = []
+# ----------------------------------------------------------------------------- cases
+# Each case builds its inputs from its own seed, so every child process of a case sees the
+# same tensors; ``impls`` are the implementation groups that each run in a child of their own.
+PEER_MODULES = {"late-interaction-kernels": "late_interaction_kernels", "flash-maxsim": "flash_maxsim"}
 
-    def record(case, impl, fn, ref=None, note=""):
+
+class Child:
+    """One (case, implementation group) run: records rows to ``work/<case>__<impl>.json``
+    after each row (a later crash keeps them), and shares our output through
+    ``work/<case>.pt`` so the peers' rows report their difference from it."""
+
+    def __init__(self, case, impl, smoke, reps, work):
+        self.case, self.impl, self.reps, self.work = case, impl, reps, work
+        self.cuda = torch.cuda.is_available() and not smoke
+        self.device = "cuda" if self.cuda else "cpu"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.s = _sizes(smoke)
+        self.rows = []
+        self.ref_path = os.path.join(work, f"{case}.pt")
+
+    def generator(self):
+        return torch.Generator().manual_seed(list(CASES).index(self.case))
+
+    def ragged(self, n, lo, hi, g):
+        return _ragged(n, lo, hi, self.s["d"], self.dtype, self.device, g)
+
+    def peer(self, submodule=""):
+        import importlib
+
+        return importlib.import_module(PEER_MODULES[self.impl] + submodule)
+
+    def record(self, label, fn, *, note="", save_ref=False):
+        """Run ``fn`` once (its output; the difference from ours), then time it and take its
+        peak memory.  An exception becomes the row's error."""
+        ref = None
+        if not save_ref and os.path.exists(self.ref_path):
+            ref = torch.load(self.ref_path).to(self.device)
+        title = CASES[self.case]["title"](self.s)
         try:
             out = fn()
-            diff = None if ref is None else (out.float() - ref.float()).abs().max().item()
-            ms, iqr = _timer(fn, reps, cuda)
-            peak = _peak(fn, cuda)
+            diff = None if ref is None else (out.float() - ref.reshape(out.shape)).abs().max().item()
+            if save_ref:
+                torch.save(out.detach().float().cpu(), self.ref_path)
+            ms, iqr = _timer(fn, self.reps, self.cuda)
+            peak = _peak(fn, self.cuda)
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run a case: say why
-            print(f"[bench] {case} / {impl}: {exc!r}")
-            rows.append(dict(case=case, impl=impl, error=repr(exc)))
-            return None
-        rows.append(dict(case=case, impl=impl, ms=ms, iqr_ms=iqr, peak_mib=peak, max_abs_diff=diff, note=note))
-        print(f"[bench] {case:34s} {impl:28s} {ms:9.3f} ms (IQR {iqr:.3f})  peak {peak}  diff {diff}")
-        return out
+            print(f"[bench] {title} / {label}: {exc!r}")
+            self.add(dict(case=title, impl=label, error=repr(exc)))
+            return
+        print(f"[bench] {title:34s} {label:28s} {ms:9.3f} ms (IQR {iqr:.3f})  peak {peak}  diff {diff}")
+        self.add(dict(case=title, impl=label, ms=ms, iqr_ms=iqr, peak_mib=peak, max_abs_diff=diff, note=note))
 
-    lik_m, flash_m = peers.get("late-interaction-kernels"), peers.get("flash-maxsim")
+    def add(self, row):
+        self.rows.append(row)
+        with open(os.path.join(self.work, f"{self.case}__{self.impl}.json"), "w") as f:
+            json.dump(self.rows, f)
 
-    # 1. rerank 1 x C
-    Qp, cu_q, mq = lik.pack(_ragged(1, lq, lq, d, dtype, device, g))
-    Dp, cu_d, md = lik.pack(_ragged(s["rerank_c"], lo, hi, d, dtype, device, g))
-    case = f"rerank 1x{s['rerank_c']} Ld{lo}-{hi}"
+
+def case_rerank(c: Child):
+    s, g = c.s, c.generator()
+    Qp, cu_q, mq = lik.pack(c.ragged(1, s["lq"], s["lq"], g))
+    Dp, cu_d, md = lik.pack(c.ragged(s["rerank_c"], *s["ld"], g))
     with torch.no_grad():
-        ref = record(case, "lik_plugins", lambda: lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, md))
-        if lik_m:
-            record(case, "late-interaction-kernels", lambda: lik_m.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, md), ref)
-        if flash_m:
-            record(case, "flash-maxsim", lambda: flash_m.flash_maxsim_rerank(Qp, Dp, cu_d, md), ref)
+        if c.impl == "lik_plugins":
+            c.record("lik_plugins", lambda: lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, md), save_ref=True)
+        elif c.impl == "late-interaction-kernels":
+            m = c.peer()
+            c.record(c.impl, lambda: m.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, md))
+        else:
+            m = c.peer()
+            c.record(c.impl, lambda: m.flash_maxsim_rerank(Qp, Dp, cu_d, md))
 
-    # 2. Nq x C candidates each: pair list and padded
-    nq, c = s["multi_q"], s["multi_c"]
-    qs = _ragged(nq, lq, lq, d, dtype, device, g)
-    docs = _ragged(nq * c, lo, hi, d, dtype, device, g)
+
+def case_candidates(c: Child):
+    s, g = c.s, c.generator()
+    nq, n_cand, lq, d = s["multi_q"], s["multi_c"], s["lq"], s["d"]
+    qs = c.ragged(nq, lq, lq, g)
+    docs = c.ragged(nq * n_cand, *s["ld"], g)
     Qp, cu_q, mq = lik.pack(qs)
     Dp, cu_d, md = lik.pack(docs)
-    pq = torch.arange(nq, device=device, dtype=torch.int32).repeat_interleave(c)
-    pd = torch.arange(nq * c, device=device, dtype=torch.int32)
-    case = f"{nq} queries x {c} candidates"
+    pq = torch.arange(nq, device=c.device, dtype=torch.int32).repeat_interleave(n_cand)
+    pd = torch.arange(nq * n_cand, device=c.device, dtype=torch.int32)
+    Qpad = torch.stack(qs)
+    Dpad = torch.nn.utils.rnn.pad_sequence(docs, batch_first=True).view(nq, n_cand, -1, d)
+    q_len = torch.full((nq,), lq, device=c.device)
+    d_len = torch.tensor([x.shape[0] for x in docs], device=c.device).view(nq, n_cand)
     with torch.no_grad():
-        ref = record(case, "lik_plugins pairs", lambda: lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, pq, pd,
-                                                                             max_seqlen_q=mq, max_seqlen_d=md))
-        if lik_m:
-            record(case, "late-interaction-kernels pairs", lambda: lik_m.score_pairs_packed(
-                Qp, Dp, cu_q, cu_d, pq, pd, max_seqlen_q=mq, max_seqlen_d=md), ref)
-        Qpad = torch.stack(qs)
-        Dpad = torch.nn.utils.rnn.pad_sequence(docs, batch_first=True).view(nq, c, -1, d)
-        q_len = torch.full((nq,), lq, device=device)
-        d_len = torch.tensor([x.shape[0] for x in docs], device=device).view(nq, c)
-        record(case, "lik_plugins padded", lambda: lik.maxsim_padded(Qpad, Dpad, q_len, d_len), ref.view(nq, c))
-        if lik_m:
-            record(case, "late-interaction-kernels padded", lambda: lik_m.maxsim_padded(Qpad, Dpad, q_len, d_len),
-                   ref.view(nq, c))
-        if flash_m:
+        if c.impl == "lik_plugins":
+            c.record("lik_plugins pairs", lambda: lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, pq, pd, max_seqlen_q=mq,
+                                                                         max_seqlen_d=md), save_ref=True)
+            c.record("lik_plugins padded", lambda: lik.maxsim_padded(Qpad, Dpad, q_len, d_len))
+        elif c.impl == "late-interaction-kernels":
+            pairs = c.peer(".score_pairs").score_pairs_packed    # a submodule, not the top level
+            c.record(f"{c.impl} pairs", lambda: pairs(Qp, Dp, cu_q, cu_d, pq, pd, max_seqlen_q=mq, max_seqlen_d=md))
+            padded = c.peer().maxsim_padded
+            c.record(f"{c.impl} padded", lambda: padded(Qpad, Dpad, q_len, d_len))
+        else:
+            m = c.peer()
             Qa, cu_qa, _ = lik.pack([qs[i] for i in pq.tolist()])
-            record(case, "flash-maxsim varlen (pre-aligned)", lambda: flash_m.flash_maxsim_varlen(
-                Qa, Dp, cu_qa, cu_d, mq, md), ref, note="pairs gathered outside the timing")
+            c.record(f"{c.impl} varlen (pre-aligned)", lambda: m.flash_maxsim_varlen(Qa, Dp, cu_qa, cu_d, mq, md),
+                     note="pairs gathered outside the timing")
 
-    # 3. in-batch packed training B x B, forward + backward
-    b = s["train_b"]
-    Qp, cu_q, mq = lik.pack(_ragged(b, max(1, lq // 2), lq, d, dtype, device, g))
-    Dp, cu_d, md = lik.pack(_ragged(b, lo, hi, d, dtype, device, g))
+
+def case_train(c: Child):
+    s, g = c.s, c.generator()
+    Qp, cu_q, mq = lik.pack(c.ragged(s["train_b"], max(1, s["lq"] // 2), s["lq"], g))
+    Dp, cu_d, md = lik.pack(c.ragged(s["train_b"], *s["ld"], g))
     Qp.requires_grad_()
     Dp.requires_grad_()
-    case = f"in-batch packed train B{b} fwd+bwd"
 
     def train(fn):
         def step():
@@ -184,33 +210,136 @@ def run(out_dir, smoke, reps):
             return out.detach()
         return step
 
-    ref = record(case, "lik_plugins", train(lik.maxsim_varlen))
-    if lik_m:
-        record(case, "late-interaction-kernels", train(lik_m.maxsim_varlen), ref)
+    if c.impl == "lik_plugins":
+        c.record("lik_plugins", train(lik.maxsim_varlen), save_ref=True)
+    else:
+        c.record(c.impl, train(c.peer().maxsim_varlen))
 
-    # 4. a pair list
+
+def case_pair_list(c: Child):
+    s, g = c.s, c.generator()
     n_pairs = s["pairs"]
-    Qp, cu_q, mq = lik.pack(_ragged(s["pair_q"], max(1, lq // 2), lq, d, dtype, device, g))
-    Dp, cu_d, md = lik.pack(_ragged(s["pair_d"], lo, hi, d, dtype, device, g))
-    pq = torch.randint(0, s["pair_q"], (n_pairs,), generator=g).to(torch.int32).to(device)
-    pd = torch.randint(0, s["pair_d"], (n_pairs,), generator=g).to(torch.int32).to(device)
-    case = f"pair list {n_pairs}"
+    Qp, cu_q, mq = lik.pack(c.ragged(s["pair_q"], max(1, s["lq"] // 2), s["lq"], g))
+    Dp, cu_d, md = lik.pack(c.ragged(s["pair_d"], *s["ld"], g))
+    pq = torch.randint(0, s["pair_q"], (n_pairs,), generator=g).to(torch.int32).to(c.device)
+    pd = torch.randint(0, s["pair_d"], (n_pairs,), generator=g).to(torch.int32).to(c.device)
     with torch.no_grad():
-        ref = record(case, "lik_plugins", lambda: lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, pq, pd,
-                                                                        max_seqlen_q=mq, max_seqlen_d=md))
-        if lik_m:
-            record(case, "late-interaction-kernels", lambda: lik_m.score_pairs_packed(
-                Qp, Dp, cu_q, cu_d, pq, pd, max_seqlen_q=mq, max_seqlen_d=md), ref)
-        if flash_m:
+        if c.impl == "lik_plugins":
+            c.record("lik_plugins", lambda: lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, pq, pd, max_seqlen_q=mq,
+                                                                   max_seqlen_d=md), save_ref=True)
+        elif c.impl == "late-interaction-kernels":
+            pairs = c.peer(".score_pairs").score_pairs_packed
+            c.record(c.impl, lambda: pairs(Qp, Dp, cu_q, cu_d, pq, pd, max_seqlen_q=mq, max_seqlen_d=md))
+        else:
+            m = c.peer()
             qrows, drows = lik.unpack(Qp, cu_q), lik.unpack(Dp, cu_d)
             Qa, cu_qa, _ = lik.pack([qrows[i] for i in pq.tolist()])
             Da, cu_da, _ = lik.pack([drows[i] for i in pd.tolist()])
-            record(case, "flash-maxsim varlen (pre-aligned)", lambda: flash_m.flash_maxsim_varlen(
-                Qa, Da, cu_qa, cu_da, mq, md), ref, note="pairs gathered outside the timing")
-            del Qa, Da
+            # the aligned documents hold more than 2**31 elements at full size: past int32 offsets
+            c.record(f"{c.impl} varlen (pre-aligned)", lambda: m.flash_maxsim_varlen(Qa, Da, cu_qa, cu_da, mq, md),
+                     note=f"pairs gathered outside the timing; aligned D has {Da.numel():.3g} elements")
 
-    # 5. PyLate rank.rerank, patched vs its own loop (best native backend under auto)
-    rows.extend(_pylate_rerank(s, dtype, device, cuda, reps, g))
+
+def case_pylate_rerank(c: Child):
+    """PyLate ``rank.rerank``: its own loop (best native backend under
+    ``PYLATE_SCORES_BACKEND=auto``) or patched; the row carries the rankings so the parent
+    can compare the two children."""
+    from pylate import rank
+
+    s, g = c.s, c.generator()
+    nq, n_cand = s["rr_q"], s["rr_c"]
+    queries = c.ragged(nq, s["lq"], s["lq"], g)
+    docs = [c.ragged(n_cand, *s["ld"], g) for _ in range(nq)]
+    ids = [list(range(n_cand)) for _ in range(nq)]
+    patched = c.impl == "PyLate patched (lik_plugins)"
+    (lik.patch_pylate if patched else lik.unpatch_pylate)()
+    call = lambda: rank.rerank(ids, queries, docs)  # noqa: E731
+    title = CASES[c.case]["title"](s)
+    try:
+        rankings = [[r["id"] for r in per_query] for per_query in call()]
+        ms, iqr = _timer(call, max(3, c.reps // 10), False)     # wall clock: the host loop is the cost
+        peak = _peak(call, c.cuda)
+    except Exception as exc:  # noqa: BLE001
+        print(f"[bench] {title} / {c.impl}: {exc!r}")
+        c.add(dict(case=title, impl=c.impl, error=repr(exc)))
+        return
+    print(f"[bench] {title:34s} {c.impl:28s} {ms:9.1f} ms (IQR {iqr:.1f})")
+    c.add(dict(case=title, impl=c.impl, ms=ms, iqr_ms=iqr, peak_mib=peak, rankings=rankings,
+               note=f"PYLATE_SCORES_BACKEND={os.environ.get('PYLATE_SCORES_BACKEND', 'auto')}"))
+
+
+CASES = {
+    "rerank": dict(run=case_rerank, impls=("lik_plugins", "late-interaction-kernels", "flash-maxsim"),
+                   title=lambda s: f"rerank 1x{s['rerank_c']} Ld{s['ld'][0]}-{s['ld'][1]}"),
+    "candidates": dict(run=case_candidates, impls=("lik_plugins", "late-interaction-kernels", "flash-maxsim"),
+                       title=lambda s: f"{s['multi_q']} queries x {s['multi_c']} candidates"),
+    # flash-maxsim has no in-batch packed cross product
+    "train": dict(run=case_train, impls=("lik_plugins", "late-interaction-kernels"),
+                  title=lambda s: f"in-batch packed train B{s['train_b']} fwd+bwd"),
+    "pairs": dict(run=case_pair_list, impls=("lik_plugins", "late-interaction-kernels", "flash-maxsim"),
+                  title=lambda s: f"pair list {s['pairs']}"),
+    "pylate": dict(run=case_pylate_rerank, impls=("PyLate own loop (auto)", "PyLate patched (lik_plugins)"),
+                   title=lambda s: f"PyLate rank.rerank {s['rr_q']}x{s['rr_c']} Ld{s['ld'][0]}-{s['ld'][1]}"),
+}
+CHILD_TIMEOUT_S = 480
+
+
+def _unavailable(impl, cuda):
+    """Why ``impl`` cannot run here (None: it can), found without importing it."""
+    import importlib.util
+
+    module = PEER_MODULES.get(impl) or ("pylate" if impl.startswith("PyLate") else None)
+    if module is None:
+        return None
+    if impl in PEER_MODULES and not cuda:
+        return "the peers' kernels need CUDA (smoke run on the CPU)"
+    return None if importlib.util.find_spec(module) else f"{module} is not installed"
+
+
+def _run_child(case, impl, smoke, reps, work):
+    """Rows of one (case, implementation group), run in a child process so that a crash
+    there (an illegal memory access poisons the whole CUDA context) takes no other row
+    down.  A child that dies leaves an error row with the tail of its stderr."""
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), work, "--child", case, impl, "--reps", str(reps)]
+    if smoke:
+        cmd.append("--smoke")
+    title = CASES[case]["title"](_sizes(smoke))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        rc, err = proc.returncode, proc.stderr
+        sys.stdout.write(proc.stdout)
+    except subprocess.TimeoutExpired as exc:
+        rc, err = None, f"timed out after {CHILD_TIMEOUT_S} s; {exc.stderr or ''}"
+    path = os.path.join(work, f"{case}__{impl}.json")
+    rows = json.load(open(path)) if os.path.exists(path) else []
+    if rc != 0:
+        tail = " | ".join(line.strip() for line in (err or "").strip().splitlines()[-3:])
+        print(f"[bench] {title} / {impl}: child process exited with {rc}: {tail}")
+        if rows:
+            for row in rows:
+                row["child_exit"] = rc
+        else:
+            rows = [dict(case=title, impl=impl, error=f"child process exited with {rc}: {tail}")]
+    return rows
+
+
+def run(out_dir, smoke, reps):
+    import tempfile
+
+    cuda = torch.cuda.is_available() and not smoke
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_packed_") as work:
+        for case, spec in CASES.items():
+            for impl in spec["impls"]:
+                why = _unavailable(impl, cuda)
+                if why:
+                    print(f"[bench] {spec['title'](_sizes(smoke))} / {impl}: skipped, {why}")
+                    rows.append(dict(case=spec["title"](_sizes(smoke)), impl=impl, skipped=why))
+                    continue
+                rows.extend(_run_child(case, impl, smoke, reps, work))
+    _compare_pylate_rankings(rows)
     meta = _environment(cuda, smoke)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "packed.json"), "w") as f:
@@ -220,36 +349,16 @@ def run(out_dir, smoke, reps):
     print(f"[bench] wrote {out_dir}/packed.json and packed.md")
 
 
-def _pylate_rerank(s, dtype, device, cuda, reps, g):
-    try:
-        from pylate import rank
-    except Exception as exc:  # noqa: BLE001
-        print(f"[bench] PyLate unavailable: {exc!r}")
-        return []
-    nq, c, d = s["rr_q"], s["rr_c"], s["d"]
-    lo, hi = s["ld"]
-    queries = _ragged(nq, s["lq"], s["lq"], d, dtype, device, g)
-    docs = [_ragged(c, lo, hi, d, dtype, device, g) for _ in range(nq)]
-    ids = [list(range(c)) for _ in range(nq)]
-    case = f"PyLate rank.rerank {nq}x{c} Ld{lo}-{hi}"
-    out, results = [], {}
-    runs = max(3, reps // 10)
-    for name, patched in (("PyLate own loop (auto)", False), ("PyLate patched (lik_plugins)", True)):
-        (lik.patch_pylate if patched else lik.unpatch_pylate)()
-        call = lambda: rank.rerank(ids, queries, docs)  # noqa: E731
-        results[name] = call()
-        ms, iqr = _timer(call, runs, False)            # wall clock: the host loop is the cost
-        peak = _peak(call, cuda)
-        out.append(dict(case=case, impl=name, ms=ms, iqr_ms=iqr, peak_mib=peak,
-                        note=f"PYLATE_SCORES_BACKEND={os.environ.get('PYLATE_SCORES_BACKEND', 'auto')}"))
-        print(f"[bench] {case:34s} {name:28s} {ms:9.1f} ms (IQR {iqr:.1f})")
-    lik.unpatch_pylate()
-    a, b = results.values()
-    same = sum([r["id"] for r in x] == [r["id"] for r in y] for x, y in zip(a, b))
-    out[-1]["identical_rankings"] = f"{same}/{nq}"
-    out[-1]["speedup_vs_own_loop"] = out[0]["ms"] / out[1]["ms"]
-    return out
-
+def _compare_pylate_rankings(rows):
+    """The patched PyLate row gets how many queries rank identically and its speed-up."""
+    own, patched = (next((r for r in rows if r.get("impl") == name and "rankings" in r), None)
+                    for name in CASES["pylate"]["impls"])
+    if own and patched:
+        same = sum(a == b for a, b in zip(own["rankings"], patched["rankings"]))
+        patched["identical_rankings"] = f"{same}/{len(own['rankings'])}"
+        patched["speedup_vs_own_loop"] = own["ms"] / patched["ms"]
+    for r in rows:
+        r.pop("rankings", None)
 
 def _environment(cuda, smoke):
     meta = {"smoke": smoke, "torch": torch.__version__, "command": " ".join(sys.argv),
@@ -273,12 +382,16 @@ def _markdown(rows, meta):
              "| case | implementation | median ms | IQR ms | peak MiB | max abs diff vs ours | note |",
              "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | {r['impl']} | error | | | | {r['error'][:80]} |")
+        if "error" in r or "skipped" in r:
+            text = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+            text = " ".join(text.replace("|", "/").split())[:240]
+            lines.append(f"| {r['case']} | {r['impl']} | | | | | {text} |")
             continue
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.1f}"
         diff = "" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.2e}"
         note = r.get("note", "")
+        if "child_exit" in r:
+            note += f"; its child process then exited with {r['child_exit']}"
         if "identical_rankings" in r:
             note += f"; identical rankings {r['identical_rankings']}, {r['speedup_vs_own_loop']:.1f}x own loop"
         lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['iqr_ms']:.3f} | {peak} | {diff} | {note} |")
@@ -290,5 +403,12 @@ if __name__ == "__main__":
     p.add_argument("out_dir")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: the script works")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"),
+                   help="internal: run one case's rows of one implementation group (OUT_DIR is the work folder)")
     a = p.parse_args()
-    run(a.out_dir, a.smoke, a.reps if not a.smoke else 3)
+    reps = a.reps if not a.smoke else 3
+    if a.child:
+        case, impl = a.child
+        CASES[case]["run"](Child(case, impl, a.smoke, reps, a.out_dir))
+    else:
+        run(a.out_dir, a.smoke, reps)
