@@ -691,8 +691,9 @@ def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
     out = torch.empty((n,), dtype=torch.float32, device=codes.device)
     step = max(1, min(max(n, 1), chunk_elements() // max(ld * scores_t.shape[1], 1)))
     for start in range(0, n, step):
-        c = codes[start:start + step].long()
         m = d_mask[start:start + step]
+        # padding may hold any code (as maxsim_residual allows): look up centroid 0 there
+        c = torch.where(m, codes[start:start + step], 0).long()
         sim = scores_t[c]                                                      # [b, Ld, Lq]
         best = sim.masked_fill(~m.unsqueeze(-1), float("-inf")).amax(1)
         best = torch.where(m.any(1, keepdim=True), best, torch.zeros_like(best))

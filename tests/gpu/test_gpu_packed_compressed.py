@@ -321,7 +321,7 @@ def test_maxsim_residual(nbits, dtype, normalize, d):
 
 def test_plaid_approx_score():
     codes, _, lengths, centroids, _ = _index(15, SIZES["APPROX_D"], SIZES["LD"][1], 128, 2)
-    codes = codes.clamp_max(SIZES["CENTROIDS"] - 1)   # in-range codes in the padding too (see the report)
+    codes = codes.clamp_max(SIZES["CENTROIDS"] - 1)   # in range for the reference, which indexes the padding too
     g = _gen(16)
     Q = F.normalize(torch.randn(SIZES["LQ"], 128, generator=g, device=DEVICE), dim=-1)
     S = Q @ centroids.T                                                    # [Lq, C]

@@ -234,3 +234,14 @@ def test_maxsim_from_hidden_only_some_grads(gen, monkeypatch, backend):
     assert rel_err(gw, want) < 1e-5
     with pytest.raises(ValueError, match="W must be"):
         lik.maxsim_from_hidden(Q, H, W.t())
+
+
+def test_plaid_approx_score_ignores_codes_in_the_padding(gen):
+    S = torch.randn(5, 16, generator=gen)
+    codes = torch.randint(0, 16, (4, 7), generator=gen)
+    lengths = torch.tensor([7, 3, 0, 5])
+    padded = codes.clone()
+    padded[1, 3:] = 10**6                                # padding: out-of-range ids, as an index may hold
+    padded[3, 5:] = -4
+    want = reference.plaid_approx_score(S.double(), codes, lengths)
+    torch.testing.assert_close(lik.plaid_approx_score(S, padded, lengths).double(), want, rtol=1e-6, atol=1e-6)
