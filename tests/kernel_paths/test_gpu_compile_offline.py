@@ -44,11 +44,19 @@ def test_kernel_compiles_for_sm90(name):
         assert shared > 0
 
 
-def test_the_fp32_default_config_fits(monkeypatch):
+@pytest.mark.parametrize("fmt", ["dense", "residual"])
+def test_the_fp32_default_config_fits(monkeypatch, fmt):
+    # residual documents are built in the query's dtype: the config must be sized for fp32
+    # operands, not for the uint8 residual bytes
     from lik_plugins.kernels.triton import tuning
 
     monkeypatch.setattr(tuning, "_smem_budget", lambda: H100_SHARED)
-    cfg = tuning._default_forward(128, 128, 128, torch.float32)
-    shared = _compile(["Q=*fp32", "D=*fp32", "ROWS_PER_Q=32", "QPB=4", "PRECISION='tf32x3'",
+    if fmt == "dense":
+        key, extra = torch.float32, ["D=*fp32"]
+    else:
+        key = (torch.float32, torch.uint8, 2)
+        extra = ["D=*u8", "A0=*i32", "A1=*fp32", "DOC_FORMAT=2", "NBITS=4", "NORMALIZE=True"]
+    cfg = tuning._default_forward(128, 128, 128, key)
+    shared = _compile(["Q=*fp32", *extra, "ROWS_PER_Q=32", "QPB=4", "PRECISION='tf32x3'",
                        f"BLOCK_N={cfg['BLOCK_N']}", f"num_warps={cfg['num_warps']}", f"num_stages={cfg['num_stages']}"])
     assert shared <= H100_SHARED
