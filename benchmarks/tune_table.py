@@ -40,67 +40,96 @@ def _run(Q, D, layout, train, dm=None):
             fn(Q, D, None, dm)
 
 
-def _formats(t0: float) -> None:
-    """The int8, residual and projection-head forwards of bench_compressed.py (their own keys)."""
+def _format_steps() -> dict:
+    """The int8, residual and projection-head forwards of bench_compressed.py (their own
+    keys), by name: each is swept in a process of its own (``--step``)."""
     F = torch.nn.functional
     dim, lq = 128, 32
-    Q = F.normalize(torch.randn(1, lq, dim, device="cuda"), dim=-1).bfloat16()
-    D = F.normalize(torch.randn(10000, 300, dim, device="cuda"), dim=-1).bfloat16()
-    with torch.no_grad():
-        lik.maxsim_int8(Q, lik.quantize_int8(D))
-        lik.maxsim_int8(lik.quantize_int8(Q), lik.quantize_int8(D))
+
+    def unit(*shape):
+        return F.normalize(torch.randn(*shape, device="cuda"), dim=-1).bfloat16()
+
+    @torch.no_grad()
+    def int8():
+        D = lik.quantize_int8(unit(10000, 300, dim))
+        Q = unit(1, lq, dim)
+        lik.maxsim_int8(Q, D)
+        lik.maxsim_int8(lik.quantize_int8(Q), D)
+
+    @torch.no_grad()
+    def residual():
         for nq in (1, 32):
-            Qn = F.normalize(torch.randn(nq, lq, dim, device="cuda"), dim=-1).bfloat16()
+            Q = unit(nq, lq, dim)
             for nbits in (2, 4):
-                centroids = F.normalize(torch.randn(16384, dim, device="cuda"), dim=-1).bfloat16()
                 codes = torch.randint(0, 16384, (10000 // nq, 300), device="cuda", dtype=torch.int32)
-                residuals = torch.randint(0, 256, (10000 // nq, 300, dim * nbits // 8), device="cuda",
-                                          dtype=torch.uint8)
+                residuals = torch.randint(0, 256, (*codes.shape, dim * nbits // 8), device="cuda", dtype=torch.uint8)
                 weights = torch.sort(torch.randn(2**nbits, device="cuda") * 0.05).values
                 lengths = torch.full((codes.shape[0],), 300, dtype=torch.int32, device="cuda")
-                lik.maxsim_residual(Qn, codes, residuals, lengths, centroids, weights, nbits)
-    print(f"int8 + residual: {time.perf_counter() - t0:.0f}s", flush=True)
-    del D
-    for nq, nd, train in ((32, 32, True), (1, 1000, False), (32, 1000, False)):
-        Qh = F.normalize(torch.randn(nq, lq, dim, device="cuda"), dim=-1).bfloat16()
-        H = torch.randn(nd, 300, 768, device="cuda").bfloat16()
-        W = (torch.randn(dim, 768, device="cuda") / 768**0.5).bfloat16()
-        b = (torch.randn(dim, device="cuda") * 0.01).bfloat16()
-        if train:
-            Qh.requires_grad_()
-            W.requires_grad_()
-            lik.maxsim_from_hidden(Qh, H, W, b).sum().backward()
+                lik.maxsim_residual(Q, codes, residuals, lengths, unit(16384, dim), weights, nbits)
+
+    def hidden():
+        for nq, nd, train in ((32, 32, True), (1, 1000, False), (32, 1000, False)):
+            Q = unit(nq, lq, dim)
+            H = torch.randn(nd, 300, 768, device="cuda").bfloat16()
+            W = (torch.randn(dim, 768, device="cuda") / 768**0.5).bfloat16()
+            b = (torch.randn(dim, device="cuda") * 0.01).bfloat16()
+            if train:
+                Q.requires_grad_()
+                W.requires_grad_()
+                lik.maxsim_from_hidden(Q, H, W, b).sum().backward()
+            else:
+                with torch.no_grad():
+                    lik.maxsim_from_hidden(Q, H, W, b)
+
+    return {"int8": int8, "residual": residual, "hidden": hidden}
+
+
+def _formats(out: str, t0: float) -> list:
+    """Sweep each format step in a child process (a step that crashes costs only its own
+    entries, and says so); returns the tables the children wrote."""
+    import subprocess
+
+    written = []
+    for step in _format_steps():
+        part = f"{out}.{step}"
+        done = subprocess.run([sys.executable, __file__, part, "--step", step], capture_output=True, text=True,
+                              timeout=300)
+        ok = done.returncode == 0 and os.path.exists(part)
+        print(f"{step}: {'ok' if ok else 'FAILED'} at {time.perf_counter() - t0:.0f}s", flush=True)
+        if ok:
+            written.append(part)
         else:
-            with torch.no_grad():
-                lik.maxsim_from_hidden(Qh, H, W, b)
-    print(f"projection head: {time.perf_counter() - t0:.0f}s", flush=True)
+            print("\n".join((done.stdout + done.stderr).strip().splitlines()[-12:]), flush=True)
+    return written
 
 
-def _merge_into_committed(out: str, arch: str) -> int:
-    """Rewrite ``out`` as the committed table for ``arch`` with ``out``'s entries added or
-    replacing the ones of the same key; returns the number of entries."""
+def _merge_into_committed(out: str, arch: str, parts: list) -> int:
+    """Write ``out``: the committed table for ``arch`` with the entries of the tables
+    ``parts`` added or replacing the ones of the same key; returns the number of entries."""
     committed = os.path.join(os.path.dirname(tuning.__file__), "configs", f"{arch}.json")
-    with open(out) as f:
-        new = json.load(f)
     entries = {}
     if os.path.exists(committed):
         with open(committed) as f:
             entries = {(e["kernel"], json.dumps(e["key"])): e for e in json.load(f)["entries"]}
-    for e in new["entries"]:
-        entries[(e["kernel"], json.dumps(e["key"]))] = e
-    new["entries"] = [entries[k] for k in sorted(entries)]
+    for part in parts:
+        with open(part) as f:
+            for e in json.load(f)["entries"]:
+                entries[(e["kernel"], json.dumps(e["key"]))] = e
+    table = {"version": tuning.TABLE_VERSION, "arch": arch, "entries": [entries[k] for k in sorted(entries)]}
     with open(out, "w") as f:
-        json.dump(new, f, indent=1)
-    return len(new["entries"])
+        json.dump(table, f, indent=1)
+    return len(table["entries"])
 
 
-def main(out: str, formats_only: bool = False) -> int:
+def main(out: str, formats_only: bool = False, step: str | None = None) -> int:
     t0 = time.perf_counter()
+    if step is not None:
+        _format_steps()[step]()
+        tuning.export_table(out, tuning.architecture())
+        return 0
     if formats_only:
-        _formats(t0)
         arch = tuning.architecture()
-        tuning.export_table(out, arch)
-        n = _merge_into_committed(out, arch)
+        n = _merge_into_committed(out, arch, _formats(out, t0))
         print(f"{n} configs for {arch} (formats swept, the rest as committed) -> {out} in "
               f"{time.perf_counter() - t0:.0f}s")
         return 0
@@ -130,4 +159,5 @@ def main(out: str, formats_only: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], "--formats" in sys.argv[2:]))
+    args = sys.argv[2:]
+    sys.exit(main(sys.argv[1], "--formats" in args, args[args.index("--step") + 1] if "--step" in args else None))
