@@ -681,12 +681,18 @@ def _approx_fake(query_centroid_scores, codes, d_mask):
 
 @_registered("plaid_approx_score", _approx_fake)
 def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor, d_mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` fp32: ``sum_s max_{valid t} S[s, codes[b, t]]`` (0 for an empty document), a
-    bounded chunk of documents at a time (a gather and a max: torch on every device)."""
+    """``[B]`` fp32: ``sum_s max_{valid t} S[s, codes[b, t]]`` (0 for an empty document): one
+    program per document on the Triton path (``kernels/triton/approx.py``), elsewhere a
+    bounded chunk of documents at a time (a gather and a max in torch)."""
     from ._config import chunk_elements
 
-    record("plaid_approx_score", "torch-chunked")
     scores_t = query_centroid_scores.float().t().contiguous()                  # [C, Lq]: one row per code
+    if _path(query_centroid_scores, "residual", "") == "triton" and d_mask.dtype == torch.bool:
+        from .kernels.triton import approx
+
+        record("plaid_approx_score", "triton")
+        return approx.plaid_approx_score(scores_t, codes, d_mask)
+    record("plaid_approx_score", "torch-chunked")
     n, ld = codes.shape
     out = torch.empty((n,), dtype=torch.float32, device=codes.device)
     step = max(1, min(max(n, 1), chunk_elements() // max(ld * scores_t.shape[1], 1)))

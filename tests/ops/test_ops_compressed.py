@@ -165,11 +165,15 @@ def test_varlen_equals_padded(gen, monkeypatch, backend):
         torch.testing.assert_close(packed, padded, rtol=0, atol=0)
 
 
-def test_approx_score(gen):
-    codes, _, lengths, centroids, _ = _index(gen, 7, 15, 32, 2)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_approx_score(gen, monkeypatch, backend):
+    monkeypatch.setenv("LIK_BACKEND", backend)
+    lik.reset_routing_counts()
+    codes, _, lengths, centroids, _ = _index(gen, 7, 150, 32, 2)      # Ld over two kernel tiles
     codes = codes.clamp_max(10)
     S = torch.randn(5, 11, generator=gen)
     got = lik.plaid_approx_score(S, codes, lengths)
+    assert lik.routing_counts()["plaid_approx_score"] == {backend: 1}
     # independent: loop over documents and query tokens
     want = torch.zeros(7)
     for b in range(7):
@@ -236,7 +240,9 @@ def test_maxsim_from_hidden_only_some_grads(gen, monkeypatch, backend):
         lik.maxsim_from_hidden(Q, H, W.t())
 
 
-def test_plaid_approx_score_ignores_codes_in_the_padding(gen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plaid_approx_score_ignores_codes_in_the_padding(gen, monkeypatch, backend):
+    monkeypatch.setenv("LIK_BACKEND", backend)
     S = torch.randn(5, 16, generator=gen)
     codes = torch.randint(0, 16, (4, 7), generator=gen)
     lengths = torch.tensor([7, 3, 0, 5])
