@@ -54,6 +54,37 @@ def test_maxsim_int8_matches_the_reference(gen, monkeypatch, backend, mask_mode)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_query_quantisation_rounds_half_to_even(monkeypatch, backend):
+    # A float query is quantised inside the Triton kernel (one launch); its values must be
+    # torch.round's (ties to even), not round-half-away: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2.
+    # Scoring against one-hot documents reads each quantised component back.
+    monkeypatch.setenv("LIK_BACKEND", backend)
+    lead = [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5, 125.5]
+    Q = torch.tensor([[lead + [0.0] * (16 - len(lead))]])
+    index = lik.quantize_int8(torch.eye(16)[:, None, :])          # 16 documents, one token each
+    got = lik.maxsim_int8(Q, index)
+    assert torch.equal(got[0, :len(lead)], torch.tensor([127.0, 0, 2, 2, 0, -2, -2, 4, 126, 126]))
+    assert torch.equal(got, reference.maxsim_int8(reference.quantize_int8(Q), tuple(index)))
+
+
+def test_int8_quantisation_kernel_equals_the_reference(gen, monkeypatch):
+    # the one-launch query quantisation of the Triton path (queries too large to quantise
+    # inside the scoring kernel), bit for bit, ties included
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from lik_plugins.kernels.triton import quantize
+
+    x = torch.randn(3, 5, 40, generator=gen) * 3
+    x[0, 0, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5])
+    x[1, 1] = 0.0                                                # an all-zero token: scale 1
+    for t in (x, x.to(torch.bfloat16), x[:, ::2]):               # a strided view too
+        values, scales = quantize.quantize_int8(t)
+        want_v, want_s = reference.quantize_int8(t)
+        assert values.dtype == torch.int8 and values.is_contiguous()
+        assert torch.equal(values, want_v) and torch.equal(scales, want_s)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_retrieve_over_an_int8_index(gen, monkeypatch, backend):
     monkeypatch.setenv("LIK_BACKEND", backend)
     Q = F.normalize(torch.randn(2, 5, 32, generator=gen), dim=-1)

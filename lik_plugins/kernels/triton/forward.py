@@ -30,17 +30,23 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def quantize_e4m3_rows(x, FP8_LIMIT: tl.constexpr):
-    """Per-row e4m3 quantisation of fp32 rows ``x [R, DP]`` (zero padding): (values scaled
-    into +-FP8_LIMIT as fp32, scale per row), the numbers of ``reference.quantize_fp8`` bit
-    for bit -- round-to-nearest divisions (Triton's plain ``/`` is approximate on NVIDIA
-    GPUs), and a clamp that keeps NaN.  A NaN row keeps scale 1 and NaN values, so its
-    scores are NaN.  The caller casts the values to e4m3 (round to nearest even)."""
+def quantize_rows(x, LIMIT: tl.constexpr, TO_INT: tl.constexpr):
+    """Per-row symmetric quantisation of fp32 rows ``x [R, DP]`` (zero padding): (values
+    scaled into +-LIMIT as fp32, scale per row), the numbers of ``reference.quantize_fp8``
+    (``LIMIT`` 448) or, with ``TO_INT``, ``reference.quantize_int8`` (``LIMIT`` 127, values
+    rounded half to even) bit for bit -- round-to-nearest divisions (Triton's plain ``/`` is
+    approximate on NVIDIA GPUs), and a clamp that keeps NaN.  A NaN row keeps scale 1 and
+    NaN values, so its fp8 scores are NaN.  The caller casts the values (e4m3: round to
+    nearest even; int8: exact, they are whole numbers)."""
     amax = tl.reduce(tl.abs(x), 1, _max_nan)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_LIMIT), 1.0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, LIMIT), 1.0)
     y = tl.math.div_rn(x, scale[:, None])
-    # clamp as torch.clamp does: NaN stays NaN (a plain min/max would clamp it to +-448)
-    y = tl.minimum(tl.maximum(y, -FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL), FP8_LIMIT,
+    if TO_INT:
+        # round half to even as torch.round: adding and removing 1.5 * 2**23 leaves the
+        # nearest integer (ties to even) for |y| < 2**22; fp32 adds are never reassociated
+        y = (y + 12582912.0) - 12582912.0
+    # clamp as torch.clamp does: NaN stays NaN (a plain min/max would clamp it to +-LIMIT)
+    y = tl.minimum(tl.maximum(y, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
                    propagate_nan=tl.PropagateNan.ALL)
     return y, scale
 
@@ -328,10 +334,11 @@ def maxsim_fwd_kernel(
     ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, RUNNING_MAX: tl.constexpr = False,
-    # QUANT_Q: ``Q`` holds float query tokens and ``D`` e4m3 values; each program quantises
-    # its query rows as ``quantize_e4m3_rows`` does (the fp8 path's query side, fused: one
-    # launch instead of two) and uses their scales where RQ's would go.  Needs BLOCK_K == D_PAD.
-    QUANT_Q: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0,
+    # QUANT_Q: ``Q`` holds float query tokens and ``D`` e4m3 (or, DOC_FORMAT INT8, int8)
+    # values; each program quantises its query rows as ``quantize_rows`` does (the query
+    # side of the fp8 / int8 paths, fused: one launch instead of two, or instead of torch's
+    # ~8) and uses their scales where RQ's would go.  Needs BLOCK_K == D_PAD.
+    QUANT_Q: tl.constexpr = False, QUANT_LIMIT: tl.constexpr = 448.0,
     DOCS_PER_PROGRAM: tl.constexpr = 1,
     # TAIL_N: width of the tiles that cover a document's last ``Ld % BLOCK_N`` tokens (0:
     # the last BLOCK_N tile, masked).  Chosen by the host from Ld (``launch.tail_tile``).
@@ -388,7 +395,7 @@ def maxsim_fwd_kernel(
         if UPCAST:
             b_q = b_q.to(tl.float32)
         if QUANT_Q:
-            b_qv, b_qscale = quantize_e4m3_rows(b_q.to(tl.float32), FP8_LIMIT)
+            b_qv, b_qscale = quantize_rows(b_q.to(tl.float32), QUANT_LIMIT, DOC_FORMAT == INT8)
             b_q = b_qv.to(D.dtype.element_ty)
     else:
         b_q = p_q   # unused: the document loop reloads query slices per K tile

@@ -28,6 +28,7 @@ import torch
 
 from ..common import COMPACT_MAX_ROWS, argmax_dtype, inverse_norms
 from ..dispatch import sm_count
+from ..reference import FP8_MAX, INT8_MAX
 from . import direct
 from .backward import (
     maxsim_bwd_gather_kernel, maxsim_bwd_varlen_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
@@ -357,7 +358,9 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     s_qmi, s_qms = s_qm if has_qm else (0, 0)
     running_max = RUNNING_ARGMAX if save_argmax else (RUNNING_MAX and elem == 1)
     n_programs = nj // dpp * n_qblocks * n_chunks
-    tune_dtype = (Q.dtype, D.dtype) if quant_q else (Q.dtype, D.dtype, kind) if built else Q.dtype
+    # fused int8 query quantisation runs the int8 kernel's tiles: it shares their table entry
+    tune_dtype = (D.dtype if kind == INT8 else (Q.dtype, D.dtype)) if quant_q else \
+        (Q.dtype, D.dtype, kind) if built else Q.dtype
     kernel, meta, after_launch = forward_kernel_and_meta(
         rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=tune_dtype,
         n_programs=n_programs, save_arg=save_argmax, running_max=running_max, docs_per_program=dpp,
@@ -376,7 +379,8 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
         NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype if built else D.dtype),
-        RUNNING_MAX=running_max, QUANT_Q=quant_q, DOCS_PER_PROGRAM=dpp, TAIL_N=tail_tile(ld, rows * qpb),
+        RUNNING_MAX=running_max, QUANT_Q=quant_q, QUANT_LIMIT=float(INT8_MAX if quant_q and kind == INT8 else FP8_MAX),
+        DOCS_PER_PROGRAM=dpp, TAIL_N=tail_tile(ld, rows * qpb),
         **meta,
     )
     aux_ints = (0, 0, 0, 0)
