@@ -152,7 +152,7 @@ def _index(gen, nd, ld, dim, nbits, n_centroids=11):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("nbits,normalize", [(2, True), (4, False), (8, True)])
+@pytest.mark.parametrize("nbits,normalize", [(1, True), (2, True), (4, False), (8, True)])
 def test_maxsim_residual_matches_maxsim_of_decompress(gen, monkeypatch, backend, nbits, normalize):
     monkeypatch.setenv("LIK_BACKEND", backend)
     codes, residuals, lengths, centroids, weights = _index(gen, 6, 21, 40, nbits)

@@ -59,6 +59,28 @@ HIDDEN = tl.constexpr(3)    # projection head: D = hidden states H [.., Ld, h], 
 
 
 @triton.jit
+def _select4(f, a, b, c, d):
+    # (a, b, c, d)[f] for 0 <= f < 4, by selects
+    return tl.where(f < 2, tl.where(f == 0, a, b), tl.where(f == 2, c, d))
+
+
+@triton.jit
+def _bucket_weight(A2, field, m, NBITS: tl.constexpr):
+    """``A2[field]`` (fp32).  Up to 2 bits the 2-4 weights are scalars picked by selects:
+    a gather from the table was one more L1 request per element, and L1 bound the residual
+    forward on an H100 (2 bits: 1.45 -> 0.81 ms for 1 x 10k documents of 300 tokens).  At
+    4 bits a 15-select tree measured 3 % slower than the gather (1.30 / 1.26 ms), so 4 and
+    8 bits gather (docs/performance-notes.md)."""
+    if NBITS == 1:
+        weight = tl.where(field == 0, tl.load(A2), tl.load(A2 + 1))
+    elif NBITS == 2:
+        weight = _select4(field, tl.load(A2), tl.load(A2 + 1), tl.load(A2 + 2), tl.load(A2 + 3))
+    else:
+        weight = tl.load(A2 + field, mask=m, other=0.0)
+    return weight.to(tl.float32)
+
+
+@triton.jit
 def _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, n_centroids,
                    BLOCK_K: tl.constexpr, NBITS: tl.constexpr):
     """Decompressed tokens ``[BLOCK_K, WIDTH]`` fp32 (zeros outside ``m_t`` and ``dim``):
@@ -77,7 +99,7 @@ def _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, n_centro
     byte = tl.load(p_d + o_t[None, :] * s_dt + (first_bit // 8)[:, None] * s_dh, mask=m, other=0).to(tl.int32)
     shift = 8 - NBITS - first_bit % 8                                             # [BK]
     field = (byte >> shift[:, None]) & ((1 << NBITS) - 1)                         # stream order, MSB = bit 0
-    weight = tl.load(A2 + field, mask=m, other=0.0).to(tl.float32)
+    weight = _bucket_weight(A2, field, m, NBITS)
     centroid = tl.load(A1 + code[None, :] * dim + o_k[:, None], mask=m, other=0.0).to(tl.float32)
     return tl.where(m, centroid + weight, 0.0)
 
