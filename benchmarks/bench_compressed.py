@@ -190,7 +190,7 @@ def residual_rows(rows, sz, reps, cuda, bw, device):
                      lambda: lik.maxsim(Q, plaid.decompress(codes_d, res_d, c_dev, w_d, nbits).to(Q.dtype),
                                         normalize=True), ref, reps, cuda, floor, bw, extra)
         # PLAID's centroid score over the same documents
-        qcs = (Q[0].float() @ c_dev.float().T)
+        qcs = c_dev.float() @ Q[0].float().T                 # [C, Lq], both libraries' layout
         with torch.no_grad():
             ref_a = lik.plaid_approx_score(qcs, codes_d, len_d)
         group_a = f"plaid_approx_score 1x{nd} Ld{ld} C{n_centroids}"
@@ -202,12 +202,9 @@ def residual_rows(rows, sz, reps, cuda, bw, device):
             if m_a is None:
                 _skip(rows, group_a, "late-interaction-kernels plaid_approx_score", why_a)
             else:
-                # its query_centroid_scores are [n_centroids, Lq] (centroids @ Q.T), ours [Lq, C]:
-                # passing ours made it compile a 16384-wide query tile (a CompilationError)
-                qcs_t = qcs.T.contiguous()
                 _measure(rows, group_a, "late-interaction-kernels plaid_approx_score",
-                         lambda: m_a(qcs_t, codes_d, len_d), ref_a, reps, cuda, codes.numel() * 4 + qcs.numel() * 4,
-                         bw, {"note": "query_centroid_scores passed as [C, Lq], its convention"})
+                         lambda: m_a(qcs, codes_d, len_d), ref_a, reps, cuda, codes.numel() * 4 + qcs.numel() * 4,
+                         bw)
 
 
 def int8_rows(rows, sz, reps, cuda, bw, device):

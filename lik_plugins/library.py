@@ -700,32 +700,36 @@ def maxsim_hidden(Q, H, W, b, d_mask, *, normalize: bool, entry: str) -> torch.T
 
 
 # ----------------------------------------------------------------------------- PLAID pruning
-def _approx_fake(query_centroid_scores, codes, d_mask):
+def _approx_fake(query_centroid_scores, codes, doc_lengths):
     return query_centroid_scores.new_empty((codes.shape[0],), dtype=torch.float32)
 
 
 @_registered("plaid_approx_score", _approx_fake)
-def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor, d_mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` fp32: ``sum_s max_{valid t} S[s, codes[b, t]]`` (0 for an empty document): one
-    program per document on the Triton path (``kernels/triton/approx.py``), elsewhere a
-    bounded chunk of documents at a time (a gather and a max in torch)."""
+def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
+                       doc_lengths: torch.Tensor) -> torch.Tensor:
+    """``[B]`` fp32: ``sum_s max_{t < len} S[codes[b, t], s]`` (0 for an empty document) from
+    ``S [C, Lq]``: one program per document on the Triton path (``kernels/triton/approx.py``),
+    elsewhere a bounded chunk of documents at a time (a gather and a max in torch)."""
     from ._config import chunk_elements
 
-    scores_t = query_centroid_scores.float().t().contiguous()                  # [C, Lq]: one row per code
-    if _path(query_centroid_scores, "residual", "") == "triton" and d_mask.dtype == torch.bool:
+    scores = query_centroid_scores.float().contiguous()                        # [C, Lq]: one row per code
+    if _path(query_centroid_scores, "residual", "") == "triton":
         from .kernels.triton import approx
 
         record("plaid_approx_score", "triton")
-        return approx.plaid_approx_score(scores_t, codes, d_mask)
+        return approx.plaid_approx_score(scores, codes, doc_lengths)
+    from .kernels.reference import lengths_mask
+
+    d_mask = lengths_mask(doc_lengths, codes.shape[1])
     record("plaid_approx_score", "torch-chunked")
     n, ld = codes.shape
     out = torch.empty((n,), dtype=torch.float32, device=codes.device)
-    step = max(1, min(max(n, 1), chunk_elements() // max(ld * scores_t.shape[1], 1)))
+    step = max(1, min(max(n, 1), chunk_elements() // max(ld * scores.shape[1], 1)))
     for start in range(0, n, step):
         m = d_mask[start:start + step]
         # padding may hold any code (as maxsim_residual allows): look up centroid 0 there
         c = torch.where(m, codes[start:start + step], 0).long()
-        sim = scores_t[c]                                                      # [b, Ld, Lq]
+        sim = scores[c]                                                        # [b, Ld, Lq]
         best = sim.masked_fill(~m.unsqueeze(-1), float("-inf")).amax(1)
         best = torch.where(m.any(1, keepdim=True), best, torch.zeros_like(best))
         out[start:start + step] = best.sum(-1)

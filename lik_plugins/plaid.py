@@ -270,27 +270,31 @@ def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
     """PLAID's centroid interaction: the candidate score of each document from its codes alone.
 
     Args:
-        query_centroid_scores: ``[Lq, C]`` -- one query's tokens against every centroid
-            (``Q @ centroids.T``).
-        codes: ``[B, Ld]`` centroid ids of ``B`` candidate documents (padded).
+        query_centroid_scores: ``[C, Lq]`` -- every centroid against one query's tokens
+            (``centroids @ Q.T``; late-interaction-kernels' layout: one contiguous row per
+            centroid, which is what the kernel gathers).
+        codes: ``[B, Ld]`` centroid ids of ``B`` candidate documents (padded; entries past a
+            length are never read).
         doc_lengths: ``[B]`` their lengths.
 
     Returns:
-        ``[B]`` float32: ``sum_s max_{t < len} S[s, codes[t]]`` (0 for an empty document).
+        ``[B]`` float32: ``sum_s max_{t < len} S[codes[t], s]`` (0 for an empty document; NaN
+        where a scored entry is NaN).
 
     Example::
 
-        >>> approx = plaid_approx_score(Q[0] @ centroids.T, codes, lengths)
+        >>> approx = plaid_approx_score(centroids @ Q[0].T, codes, lengths)
         >>> candidates = approx.topk(100).indices
     """
     check_tensor("query_centroid_scores", query_centroid_scores, 2)
     if codes.dim() != 2 or codes.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"codes must be [B, Ld] int32/int64, got {codes.dtype} {tuple(codes.shape)}")
-    if not isinstance(doc_lengths, torch.Tensor) or doc_lengths.shape != (codes.shape[0],):
-        raise ValueError(f"doc_lengths must have shape ({codes.shape[0]},)")
-    if query_centroid_scores.device != codes.device:
-        raise ValueError("query_centroid_scores and codes are on different devices")
+    if not isinstance(doc_lengths, torch.Tensor) or doc_lengths.shape != (codes.shape[0],) \
+            or doc_lengths.is_floating_point():
+        raise ValueError(f"doc_lengths must be an integer tensor of shape ({codes.shape[0]},)")
+    if query_centroid_scores.device != codes.device or doc_lengths.device != codes.device:
+        raise ValueError("query_centroid_scores, codes and doc_lengths must be on one device")
     if disabled() or forced_backend() == "reference":
         _routing.record("plaid_approx_score", "reference")
         return reference.plaid_approx_score(query_centroid_scores, codes, doc_lengths).float()
-    return library.plaid_approx_score(query_centroid_scores, codes, lengths_mask(doc_lengths, codes.shape[1]))
+    return library.plaid_approx_score(query_centroid_scores, codes, doc_lengths)

@@ -58,7 +58,7 @@ def search(Q, index, nbits: int, n_candidates: int, device: str):
     k = min(n_candidates, nd)
     for i in range(nq):
         q = Q[i]
-        approx = lik.plaid_approx_score(q.float() @ centroids.float().T, codes, lengths)
+        approx = lik.plaid_approx_score(centroids.float() @ q.float().T, codes, lengths)
         cand = approx.topk(k).indices
         out[i, cand] = lik.maxsim_residual(q, codes[cand], residuals[cand], lengths[cand], centroids, weights, nbits)
     return out

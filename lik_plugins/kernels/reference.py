@@ -271,14 +271,14 @@ def maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights,
 
 def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
                        doc_lengths: torch.Tensor) -> torch.Tensor:
-    """Reference of :func:`lik_plugins.plaid.plaid_approx_score`: ``[Lq, C]`` centroid scores of
-    one query, codes ``[B, Ld]`` -> ``[B]``: ``sum_s max_{t < len} S[s, codes[t]]`` (0 for an
+    """Reference of :func:`lik_plugins.plaid.plaid_approx_score`: ``[C, Lq]`` centroid scores of
+    one query, codes ``[B, Ld]`` -> ``[B]``: ``sum_s max_{t < len} S[codes[t], s]`` (0 for an
     empty document)."""
-    sim = query_centroid_scores[:, codes.long()]                                # [Lq, B, Ld]
+    sim = query_centroid_scores[codes.long()]                                   # [B, Ld, Lq]
     valid = lengths_mask(doc_lengths, codes.shape[1])
-    best = sim.masked_fill(~valid[None], float("-inf")).amax(-1)
-    best = torch.where(valid.any(-1)[None], best, torch.zeros_like(best))
-    return best.sum(0)
+    best = sim.masked_fill(~valid[..., None], float("-inf")).amax(1)            # [B, Lq]
+    best = torch.where(valid.any(-1, keepdim=True), best, torch.zeros_like(best))
+    return best.sum(-1)
 
 
 # ----------------------------------------------------------------------------- projection head

@@ -324,7 +324,7 @@ def test_plaid_approx_score():
     codes = codes.clamp_max(SIZES["CENTROIDS"] - 1)   # in range for the reference, which indexes the padding too
     g = _gen(16)
     Q = F.normalize(torch.randn(SIZES["LQ"], 128, generator=g, device=DEVICE), dim=-1)
-    S = Q @ centroids.T                                                    # [Lq, C]
+    S = centroids @ Q.T                                                    # [C, Lq]
     out = lik.plaid_approx_score(S, codes, lengths)
     _served("plaid_approx_score")
     want = reference.plaid_approx_score(S.double(), codes, lengths)

@@ -217,7 +217,7 @@ def test_fake_kernels_of_the_compressed_ops():
         (library.maxsim_hidden_backward.op, (grad, Q, H, W, b, h_argmax, True, True, True, True, True)),
         (library.maxsim_hidden_backward.op, (grad, Q, H, W, None, h_argmax, False, False, True, False, False)),
         (library.maxsim_int8.op, (qv, qs, dv, ds, None, dm, False, "")),
-        (library.plaid_approx_score.op, (torch.randn(4, 6, generator=g), codes, dm)),
+        (library.plaid_approx_score.op, (torch.randn(6, 4, generator=g), codes, lengths)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

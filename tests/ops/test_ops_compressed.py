@@ -202,7 +202,7 @@ def test_approx_score(gen, monkeypatch, backend):
     lik.reset_routing_counts()
     codes, _, lengths, centroids, _ = _index(gen, 7, 150, 32, 2)      # Ld over two kernel tiles
     codes = codes.clamp_max(10)
-    S = torch.randn(5, 11, generator=gen)
+    S = torch.randn(11, 5, generator=gen)                                # [C, Lq]
     got = lik.plaid_approx_score(S, codes, lengths)
     assert lik.routing_counts()["plaid_approx_score"] == {backend: 1}
     # independent: loop over documents and query tokens
@@ -210,10 +210,25 @@ def test_approx_score(gen, monkeypatch, backend):
     for b in range(7):
         c = codes[b, : lengths[b]]
         if len(c):
-            want[b] = S[:, c].max(dim=1).values.sum()
+            want[b] = S[c].max(dim=0).values.sum()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(reference.plaid_approx_score(S, codes, lengths), want)
     assert got[1] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plaid_approx_score_propagates_nan_of_scored_tokens_only(gen, monkeypatch, backend):
+    # the Triton kernel's max drops NaN and tracks it beside: a NaN centroid score that a
+    # document's valid token reads makes its score NaN (as torch's max in the reference);
+    # one that only its padding points at does not
+    monkeypatch.setenv("LIK_BACKEND", backend)
+    S = torch.randn(8, 5, generator=gen)
+    S[3, 2] = float("nan")
+    codes = torch.tensor([[1, 3, 2], [1, 2, 3], [0, 0, 0]])
+    lengths = torch.tensor([3, 2, 0])
+    got = lik.plaid_approx_score(S, codes, lengths)
+    assert torch.isnan(got[0]) and torch.isfinite(got[1]) and got[2] == 0
+    torch.testing.assert_close(got[1:], reference.plaid_approx_score(S, codes, lengths)[1:])
 
 
 def test_residual_rejects_bad_input(gen):
@@ -274,7 +289,7 @@ def test_maxsim_from_hidden_only_some_grads(gen, monkeypatch, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_plaid_approx_score_ignores_codes_in_the_padding(gen, monkeypatch, backend):
     monkeypatch.setenv("LIK_BACKEND", backend)
-    S = torch.randn(5, 16, generator=gen)
+    S = torch.randn(16, 5, generator=gen)                                # [C, Lq]
     codes = torch.randint(0, 16, (4, 7), generator=gen)
     lengths = torch.tensor([7, 3, 0, 5])
     padded = codes.clone()
