@@ -10,6 +10,7 @@ custom op with a fake (meta) kernel, and the one autograd path over them.
 ``lik::maxsim_int8``           int8 scores (int32 products, per-token scales), inference only
 ``lik::maxsim_residual_forward`` scores against PLAID residual documents (and the winners)
 ``lik::maxsim_residual_backward`` grad_Q through the winners' decompressed tokens
+``lik::maxsim_residual_varlen``  scores against a packed residual index, read in place (no gradient)
 ``lik::maxsim_hidden_forward`` scores against ``normalize(H @ W.T + b)`` built in the kernel
 ``lik::maxsim_hidden_backward`` grads of Q, H, W, b through the winning hidden states
 ``lik::plaid_approx_score``    PLAID's centroid-only candidate score
@@ -574,6 +575,40 @@ def maxsim_residual(Q, codes, residuals, d_mask, centroids, bucket_weights, *, n
                                      (nbits, normalize, entry))
     return maxsim_residual_forward(Q, codes, residuals, d_mask, centroids, bucket_weights, nbits, normalize,
                                    False, entry)[0]
+
+
+def _residual_varlen_fake(Q, codes_flat, residuals_flat, cu_d, centroids, bucket_weights, nbits, max_d, normalize,
+                          entry):
+    return Q.new_empty((Q.shape[0], cu_d.shape[0] - 1), dtype=_score_dtype(Q))
+
+
+@_registered("maxsim_residual_varlen", _residual_varlen_fake)
+def maxsim_residual_varlen(
+    Q: torch.Tensor, codes_flat: torch.Tensor, residuals_flat: torch.Tensor, cu_d: torch.Tensor,
+    centroids: torch.Tensor, bucket_weights: torch.Tensor, nbits: int, max_d: int, normalize: bool, entry: str,
+) -> torch.Tensor:
+    """Scores (no gradient) of ``Q [Nq, Lq, d]`` against a packed residual index (int32
+    offsets ``cu_d``, checked by the caller; ``max_d`` bounds the documents).  The Triton
+    kernel reads each document's packed tokens in place (the forward's ``VARLEN`` layout);
+    elsewhere the compressed tokens are padded first and scored as :func:`maxsim_residual_forward`."""
+    from .kernels import reference
+
+    if _path(Q, "residual", "", Q.shape[-1]) == "triton":
+        from .kernels.triton import launch
+
+        record(entry, "triton")
+        nq, lq, dim = Q.shape
+        Qp = Q.contiguous().reshape(nq * lq, dim)
+        cu_q = torch.arange(0, (nq + 1) * lq, max(lq, 1), dtype=torch.int32, device=Q.device)[:nq + 1]
+        weights = launch.stream_order_weights(bucket_weights, nbits)
+        fmt = launch.DocFormat(launch.RESIDUAL, codes_flat, centroids, weights, (0, 0, codes_flat.stride(0)),
+                               centroids.shape[0], nbits)
+        return launch.varlen_forward(Qp, residuals_flat, cu_q, cu_d, None, None, None, max_q=lq, max_d=max_d,
+                                     normalize=normalize, zero_mode=False, save_argmax=False, doc_format=fmt)[0]
+    codes, residuals, lengths = reference.pad_packed_index(codes_flat, residuals_flat, cu_d, max_d)
+    d_mask = reference.lengths_mask(lengths, codes.shape[1])
+    return maxsim_residual_forward(Q, codes, residuals, d_mask, centroids, bucket_weights, nbits, normalize, False,
+                                   entry)[0]
 
 
 def _hidden_forward_fake(Q, H, W, b, d_mask, normalize, save_argmax, entry):

@@ -28,7 +28,7 @@ import torch
 
 from . import _routing, library
 from ._config import disabled, forced_backend
-from ._validate import check_tensor
+from ._validate import check_max_seqlen, check_offsets, check_tensor, offsets_message
 from .kernels import reference
 from .kernels.reference import PLAID_NBITS, lengths_mask, residual_bytes
 
@@ -214,28 +214,6 @@ def maxsim_residual(Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tenso
     return out.squeeze(0) if single else out
 
 
-def _padded_from_varlen(codes_flat, residuals_flat, cu_seqlens_d, max_seqlen_d):
-    """The padded ``[Nd, Ld]`` codes and ``[Nd, Ld, R]`` residuals of a packed layout, and
-    the lengths: one gather of the *compressed* tokens (a copy of the index's bytes for
-    these documents, never the decompressed ones)."""
-    cu = cu_seqlens_d.to(torch.long)
-    lengths = cu[1:] - cu[:-1]
-    if max_seqlen_d is None:
-        max_seqlen_d = int(lengths.max()) if lengths.numel() else 0   # one host sync
-    else:
-        torch._assert_async((lengths <= max_seqlen_d).all(), "maxsim_residual_varlen: a document is longer "
-                            "than max_seqlen_d")
-    pos = cu[:-1, None] + torch.arange(max_seqlen_d, device=cu.device)[None, :]
-    valid = pos < cu[1:, None]
-    pos = torch.where(valid, pos, torch.zeros_like(pos)).clamp_max(max(codes_flat.shape[0] - 1, 0))
-    if codes_flat.shape[0] == 0:
-        codes = codes_flat.new_zeros(pos.shape)
-        residuals = residuals_flat.new_zeros((*pos.shape, residuals_flat.shape[1]))
-    else:
-        codes, residuals = codes_flat[pos], residuals_flat[pos]
-    return codes, residuals, lengths
-
-
 def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_flat: torch.Tensor,
                            cu_seqlens_d: torch.Tensor, centroids: torch.Tensor, bucket_weights: torch.Tensor,
                            nbits: int, *, max_seqlen_d: int | None = None, normalize: bool = True) -> torch.Tensor:
@@ -243,9 +221,12 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
     ``cu_seqlens_d[j] .. cu_seqlens_d[j + 1]`` of ``codes_flat [N]`` / ``residuals_flat [N, R]``.
 
     ``max_seqlen_d``: the longest document; omitted, it is read from ``cu_seqlens_d`` (one
-    host sync); given, it is checked on the device (``torch._assert_async``).  The packed
-    compressed tokens are gathered into a padded layout first (a copy of the compressed
-    bytes of these documents -- about 1/8 of a bf16 index at nbits 2 -- never the
+    host sync, which also checks the offsets with a ``ValueError``); given, the offsets and
+    the bound are checked on the device (``torch._assert_async``): a bound below the longest
+    document is an error, never a truncation.  Without a gradient the Triton kernel reads
+    the packed tokens in place (no copy); when ``Q`` needs a gradient, and off the Triton
+    path, the compressed tokens are first gathered into a padded layout (a copy of these
+    documents' compressed bytes -- about 1/8 of a bf16 index at nbits 2 -- never the
     decompressed tokens).
 
     Returns ``[Nq, Nd]`` float32 (``[Nd]`` for a 2-D ``Q``), as :func:`maxsim_residual`.
@@ -260,9 +241,33 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
             or cu_seqlens_d.is_floating_point():
         raise ValueError("cu_seqlens_d must be a 1-D integer tensor [Nd + 1] of cumulative lengths")
     _check_index(codes_flat, residuals_flat, centroids, bucket_weights, nbits, lead=1)
-    codes, residuals, lengths = _padded_from_varlen(codes_flat, residuals_flat, cu_seqlens_d.to(codes_flat.device),
-                                                    max_seqlen_d)
-    return maxsim_residual(Q, codes, residuals, lengths, centroids, bucket_weights, nbits, normalize=normalize)
+    max_seqlen_d = check_max_seqlen("max_seqlen_d", max_seqlen_d)
+    cu = cu_seqlens_d.to(codes_flat.device)
+    n_tokens = codes_flat.shape[0]
+    ok, longest = check_offsets("cu_seqlens_d", cu, n_tokens, max_seqlen_d, "max_seqlen_d")
+    message = offsets_message("cu_seqlens_d", n_tokens, max_seqlen_d, "max_seqlen_d")
+    if max_seqlen_d is None:
+        ok, max_seqlen_d = torch.stack([ok.to(torch.int64), longest.to(torch.int64)]).tolist()   # one host sync
+        if not ok:
+            raise ValueError(message)
+    else:
+        torch._assert_async(ok, message)
+    single = isinstance(Q, torch.Tensor) and Q.dim() == 2
+    wants_grad = isinstance(Q, torch.Tensor) and Q.requires_grad and torch.is_grad_enabled()
+    if wants_grad or disabled() or forced_backend() == "reference":
+        codes, residuals, lengths = reference.pad_packed_index(codes_flat, residuals_flat, cu, max_seqlen_d)
+        return maxsim_residual(Q, codes, residuals, lengths, centroids, bucket_weights, nbits, normalize=normalize)
+    Q3 = Q.unsqueeze(0) if single else Q
+    check_tensor("Q", Q3, 3)
+    if Q3.shape[-1] != centroids.shape[1]:
+        raise ValueError(f"embedding dims differ: Q has d={Q3.shape[-1]}, centroids d={centroids.shape[1]}")
+    if Q3.device != codes_flat.device:
+        raise ValueError(f"Q is on {Q3.device} but the index on {codes_flat.device}")
+    out = library.maxsim_residual_varlen(Q3, codes_flat.to(torch.int32).contiguous(), residuals_flat.contiguous(),
+                                         cu.to(torch.int32), centroids.contiguous(),
+                                         bucket_weights.float().contiguous(), nbits, int(max_seqlen_d),
+                                         bool(normalize), "maxsim_residual_varlen")
+    return out.squeeze(0) if single else out
 
 
 def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,

@@ -269,6 +269,21 @@ def maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights,
     return maxsim(Q, D.to(Q.dtype), None, valid)
 
 
+def pad_packed_index(codes_flat: torch.Tensor, residuals_flat: torch.Tensor, cu_seqlens_d: torch.Tensor,
+                     max_seqlen_d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes [Nd, Ld], residuals [Nd, Ld, R], lengths [Nd])`` of a packed index (valid
+    offsets, ``Ld = max_seqlen_d``): one gather of the *compressed* tokens, padding zeros."""
+    cu = cu_seqlens_d.to(torch.long)
+    lengths = cu[1:] - cu[:-1]
+    pos = cu[:-1, None] + torch.arange(max_seqlen_d, device=cu.device)[None, :]
+    valid = pos < cu[1:, None]
+    if codes_flat.shape[0] == 0:
+        return (codes_flat.new_zeros(pos.shape), residuals_flat.new_zeros((*pos.shape, residuals_flat.shape[1])),
+                lengths)
+    pos = torch.where(valid, pos, torch.zeros_like(pos)).clamp_max(codes_flat.shape[0] - 1)
+    return codes_flat[pos], residuals_flat[pos], lengths
+
+
 def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
                        doc_lengths: torch.Tensor) -> torch.Tensor:
     """Reference of :func:`lik_plugins.plaid.plaid_approx_score`: ``[C, Lq]`` centroid scores of

@@ -305,7 +305,8 @@ def test_maxsim_residual(nbits, dtype, normalize, d):
         assert _rel_l2(gq, wq) < BUILT_BF16_GRAD_L2
     else:
         assert rel_err(gq, wq) < TOL[dtype][1]
-    # the packed layout of the same index: the same kernel on the same gathered tokens
+    # the packed layout of the same index, read in place by the packed (VARLEN) programs: the
+    # same similarities (the blocking may differ, so the per-query sums may round apart)
     valid = reference.lengths_mask(lengths, codes.shape[1])
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=DEVICE)
     cu[1:] = lengths.cumsum(0)
@@ -315,8 +316,9 @@ def test_maxsim_residual(nbits, dtype, normalize, d):
         for bound in (None, SIZES["RES_LD"]):
             packed = lik.maxsim_residual_varlen(Q, codes[valid], residuals[valid], cu, centroids, weights, nbits,
                                                 max_seqlen_d=bound, normalize=normalize)
-            assert torch.equal(packed, padded)
-    _served("maxsim_residual", calls=3)
+            assert rel_err(packed, padded) < 1e-6
+    assert lik.routing_counts().get("maxsim_residual") == {"triton": 1}, lik.routing_counts()
+    _served("maxsim_residual_varlen", calls=2)
 
 
 def test_plaid_approx_score():

@@ -204,6 +204,7 @@ def test_fake_kernels_of_the_compressed_ops():
     Q = torch.randn(2, 4, 16, generator=g)
     H, W, b = torch.randn(5, 9, 24, generator=g), torch.randn(16, 24, generator=g), torch.randn(16, generator=g)
     dm = reference.lengths_mask(lengths, 9)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
     scores, argmax = library.maxsim_residual_forward(Q, codes, residuals, dm, centroids, weights, 4, True, True, "")
     _, h_argmax = library.maxsim_hidden_forward(Q, H, W, b, dm, True, True, "")
     qv, qs = reference.quantize_int8(Q)
@@ -218,6 +219,8 @@ def test_fake_kernels_of_the_compressed_ops():
         (library.maxsim_hidden_backward.op, (grad, Q, H, W, None, h_argmax, False, False, True, False, False)),
         (library.maxsim_int8.op, (qv, qs, dv, ds, None, dm, False, "")),
         (library.plaid_approx_score.op, (torch.randn(6, 4, generator=g), codes, lengths)),
+        (library.maxsim_residual_varlen.op, (Q, codes[dm].to(torch.int32), residuals[dm], cu, centroids, weights, 4, 9,
+                                             True, "")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -190,10 +190,46 @@ def test_varlen_equals_padded(gen, monkeypatch, backend):
     cu[1:] = lengths.cumsum(0)
     Q = torch.randn(2, 4, 32, generator=gen)
     padded = lik.maxsim_residual(Q, codes, residuals, lengths, centroids, weights, 4)
-    for max_len in (None, 13):
+    lik.reset_routing_counts()
+    for max_len in (None, 13, 20):                       # a bound above the longest is fine
         packed = lik.maxsim_residual_varlen(Q, codes[valid], residuals[valid], cu, centroids, weights, 4,
                                             max_seqlen_d=max_len)
-        torch.testing.assert_close(packed, padded, rtol=0, atol=0)
+        torch.testing.assert_close(packed, padded, rtol=1e-6, atol=1e-6)
+    # without a gradient the packed tokens are scored in place, by their own op
+    assert lik.routing_counts()["maxsim_residual_varlen"] == {backend: 3}
+    # a gradient goes through the padded op's autograd: the same values and grad_Q
+    Qg = Q.clone().requires_grad_()
+    packed = lik.maxsim_residual_varlen(Qg, codes[valid], residuals[valid], cu, centroids, weights, 4)
+    Qp = Q.clone().requires_grad_()
+    padded = lik.maxsim_residual(Qp, codes, residuals, lengths, centroids, weights, 4)
+    torch.testing.assert_close(packed, padded, rtol=0, atol=0)
+    grad = torch.randn(packed.shape, generator=gen)
+    packed.backward(grad)
+    padded.backward(grad)
+    torch.testing.assert_close(Qg.grad, Qp.grad, rtol=0, atol=0)
+    # one query as [Lq, d]
+    one = lik.maxsim_residual_varlen(Q[1], codes[valid], residuals[valid], cu, centroids, weights, 4)
+    torch.testing.assert_close(one, padded[1].detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_residual_varlen_rejects_bad_offsets(gen):
+    codes, residuals, lengths, centroids, weights = _index(gen, 3, 9, 32, 2)
+    valid = reference.lengths_mask(lengths, 9)
+    flat_c, flat_r = codes[valid], residuals[valid]
+    n = flat_c.shape[0]
+    Q = torch.randn(1, 4, 32, generator=gen)
+    bad = torch.tensor([0, 5, 3, n], dtype=torch.int32)                  # decreasing
+    with pytest.raises(ValueError, match="never decrease"):
+        lik.maxsim_residual_varlen(Q, flat_c, flat_r, bad, centroids, weights, 2)
+    short = torch.tensor([0, 1, 2, n - 1], dtype=torch.int32)           # does not end at N
+    with pytest.raises(ValueError, match="end at the packed length"):
+        lik.maxsim_residual_varlen(Q, flat_c, flat_r, short, centroids, weights, 2)
+    cu = torch.zeros(4, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    # a bound below the longest document is an error (asserted on the device), never a truncation
+    with pytest.raises(RuntimeError, match="max_seqlen_d"):
+        lik.maxsim_residual_varlen(Q, flat_c, flat_r, cu, centroids, weights, 2,
+                                   max_seqlen_d=int(lengths.max()) - 1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

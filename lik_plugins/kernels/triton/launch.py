@@ -716,11 +716,14 @@ def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, n
 
 
 # --------------------------------------------------------------------------- packed layouts
-def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, normalize, zero_mode, save_argmax):
+def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, normalize, zero_mode, save_argmax,
+                   doc_format: DocFormat | None = None):
     """Packed MaxSim on the forward kernel (``VARLEN``; ``PAIRS`` for a pair list), same
     signature and outputs as :func:`lik_plugins.kernels.chunked.varlen_forward`.  The query
     blocking comes from ``max_q`` (a bound: shorter queries leave rows idle); each
-    document's tile loop runs to its own length, so ``max_d`` only sizes the winners."""
+    document's tile loop runs to its own length, so ``max_d`` only sizes the winners.
+    ``doc_format``: packed documents that are not float tokens (:class:`DocFormat`, its
+    ``a0`` packed like ``D``: token stride ``a0_strides[2]``), built in the tile load."""
     device = Q.device
     dim = Q.shape[-1]
     nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
@@ -728,6 +731,8 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     elem = Q.element_size()
     d_pad = max(16, next_pow2(dim))
     block_m = WIDE_BLOCK_M if elem <= 2 and d_pad <= 128 else TARGET_BLOCK_M
+    built = doc_format is not None
+    assert not built or doc_format.kind in (RESIDUAL, HIDDEN), "packed documents: float, residual or hidden"
     if pairs is not None:
         rows, qpb, n_chunks = row_blocking(max_q, 1, False, block_m)
         n_rows, n_j, n_qblocks = 1, n_pairs, 1
@@ -745,12 +750,20 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
         placeholder = _placeholder(device, torch.float32)
         qm, dm = _mask_bytes(q_mask, device), _mask_bytes(d_mask, device)
         rq = inverse_norms(Q) if normalize else placeholder
-        rd = inverse_norms(D) if normalize else placeholder
+        rd = inverse_norms(D) if normalize and not built else placeholder
         index = _placeholder(device, torch.int32)
         pair_q, pair_d = pairs if pairs is not None else (index, index)
         n_programs = n_j * n_qblocks * n_chunks
         kernel, meta, after_launch = forward_kernel_and_meta(
-            rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=Q.dtype, n_programs=n_programs, save_arg=save_argmax)
+            rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=(Q.dtype, D.dtype, doc_format.kind) if built else Q.dtype,
+            n_programs=n_programs, save_arg=save_argmax)
+        if built:
+            meta.update(DOC_FORMAT=doc_format.kind, NBITS=doc_format.nbits, HAS_BIAS=doc_format.has_bias,
+                        BLOCK_H=_hidden_block(Q.dtype))
+            aux = (*(placeholder if t is None else t for t in (doc_format.a0, doc_format.a1, doc_format.a2)),
+                   *doc_format.a0_strides, doc_format.aux_n)
+        else:
+            aux = (placeholder, placeholder, placeholder, 0, 0, 0, 0)
         out = torch.empty((n_chunks, n_rows, n_j) if n_chunks > 1 else (n_rows, n_j), dtype=torch.float32,
                           device=device)
         ints = (
@@ -770,7 +783,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
         )
         launch(kernel, (n_programs,),
                (Q, D, qm, dm, rq, rd, out, argmax if argmax is not None else placeholder, cu_q, cu_d, pair_q, pair_d,
-                *ints, placeholder, placeholder, placeholder, 0, 0, 0, 0), meta)
+                *ints, *aux), meta)
         if after_launch is not None:
             after_launch()
         scores = out if n_chunks == 1 else out.sum(0)
