@@ -15,7 +15,8 @@ compared with any dataframe tool.  Columns:
 
 Reads ``kernels.json`` (benchmarks/bench_kernels.py), ``real_loop*.json`` (benchmarks/real_loop.py), ``pylate_e2e*.json``
 (benchmarks/pylate_e2e.py), ``colpali_e2e.json``, ``colpali_heads.json`` and
-``fp8_fidelity.json`` (recipes/fp8_fidelity.py) where present; others are ignored.
+``fp8_fidelity.json`` (recipes/fp8_fidelity.py), ``packed.json`` (benchmarks/bench_packed.py) and
+``compressed.json`` (benchmarks/bench_compressed.py) where present; others are ignored.
 """
 from __future__ import annotations
 
@@ -141,6 +142,35 @@ def real_loop(path: Path, fallback: dict, date: str):
             yield _row(base, shape, r["impl"], metric, r.get(metric), unit)
 
 
+def packed(path: Path, fallback: dict, date: str):
+    """benchmarks/bench_packed.py: time, spread and peak memory per (case, implementation)."""
+    data = json.loads(path.read_text())
+    base = _base(data["meta"], fallback, date, path.name, "packed")
+    for r in data["rows"]:
+        if r.get("ms") is None:  # an error or a skipped peer: its reason is in packed.md
+            continue
+        yield _row(base, r["case"], r["impl"], "time", r["ms"], "ms")
+        yield _row(base, r["case"], r["impl"], "time_iqr", r.get("iqr_ms"), "ms")
+        yield _row(base, r["case"], r["impl"], "peak_memory", r.get("peak_mib"), "MiB")
+
+
+def compressed(path: Path, fallback: dict, date: str):
+    """benchmarks/bench_compressed.py: time (median, p10, p90), peak memory, error and the
+    fraction of the bandwidth floor per (case, implementation)."""
+    data = json.loads(path.read_text())
+    base = _base(data["meta"], fallback, date, path.name, "compressed")
+    for r in data["rows"]:
+        if r.get("ms") is None:
+            continue
+        for metric, key, unit in (("time", "ms", "ms"), ("time_p10", "p10_ms", "ms"), ("time_p90", "p90_ms", "ms"),
+                                  ("relative_error_vs_fp32", "rel_err", ""),
+                                  ("fraction_of_bandwidth_floor", "fraction_of_bandwidth_floor", "")):
+            if r.get(key) is not None:
+                yield _row(base, r["group"], r["impl"], metric, r[key], unit)
+        if r.get("peak_bytes") is not None:
+            yield _row(base, r["group"], r["impl"], "peak_memory", r["peak_bytes"] / 2**20, "MiB")
+
+
 READERS = (
     ("kernels.json", kernels),
     ("real_loop*.json", real_loop),
@@ -148,6 +178,8 @@ READERS = (
     ("colpali_e2e.json", colpali_e2e),
     ("colpali_heads.json", colpali_heads),
     ("fp8_fidelity.json", fp8_fidelity),
+    ("packed.json", packed),
+    ("compressed.json", compressed),
 )
 
 
