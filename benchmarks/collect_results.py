@@ -163,6 +163,7 @@ def compressed(path: Path, fallback: dict, date: str):
         if r.get("ms") is None:
             continue
         for metric, key, unit in (("time", "ms", "ms"), ("time_p10", "p10_ms", "ms"), ("time_p90", "p90_ms", "ms"),
+                                  ("time_back_to_back", "pipelined_ms", "ms"),
                                   ("relative_error_vs_fp32", "rel_err", ""),
                                   ("fraction_of_bandwidth_floor", "fraction_of_bandwidth_floor", "")):
             if r.get(key) is not None:
