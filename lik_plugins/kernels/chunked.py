@@ -296,20 +296,67 @@ def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize, need_q, need_ro
 # whose backward is this one.
 
 def _gather_padded(X, inv_norm, mask, cu, seq, length_bound, cdt):
-    """Sequences ``seq`` (``[n]`` int64 ids) of packed ``X`` as ``[n, length_bound, d]``
-    (zeros past each sequence), the presence mask and the validity mask ``[n, length_bound]``."""
-    start = cu[seq].long()
-    length = cu[seq + 1].long() - start
-    pos = torch.arange(length_bound, device=X.device)
-    present = pos[None, :] < length[:, None]
-    rows = (start[:, None] + pos[None, :]).clamp_(0, max(X.shape[0] - 1, 0))
+    """Sequences ``seq`` (``[n]`` int64 ids) of packed ``X`` as ``[n, length_bound, d]``, the
+    presence mask and the validity mask ``[n, length_bound]``.  Rows past a sequence are
+    left as whatever row the clamped index read (not zeroed: a third of a CPU rerank's time
+    went to zeroing them); every use masks them through ``present`` / ``valid``, and
+    :func:`_reduce_rows` replaces masked similarities instead of multiplying them, so even a
+    NaN there cannot leak."""
+    rows, present = _padded_rows(cu, seq, length_bound, X.shape[0])
     if X.shape[0] == 0:
         x = X.new_zeros((seq.shape[0], length_bound, X.shape[-1]), dtype=cdt)
         return x, present, present
     x = _scaled(X[rows], None if inv_norm is None else inv_norm[rows], cdt)
-    x = x.masked_fill(~present.unsqueeze(-1), 0)
     valid = present if mask is None else present & mask[rows]
     return x, present, valid
+
+
+def _padded_rows(cu, seq, length_bound, n_rows):
+    """Packed row of each padded position ``[n, length_bound]`` (clamped into the packed
+    tensor past a sequence's end) and whether it is a real token."""
+    start = cu[seq].long()
+    length = cu[seq + 1].long() - start
+    pos = torch.arange(length_bound, device=cu.device)
+    present = pos[None, :] < length[:, None]
+    rows = (start[:, None] + pos[None, :]).clamp_(0, max(n_rows - 1, 0))
+    return rows, present
+
+
+def _score_run(Q, D, rq, rd, q_mask, d_mask, cu_q, cu_d, q, docs, max_q, max_d, cdt, zero_mode):
+    """One query (``q``, ``[1]``) against documents ``docs`` (a run of the pair list): row
+    values and winners ``[n, max_q]``.  Consecutive documents are one span of packed rows:
+    the query multiplies the span once and the similarities (``Lq`` a token) are gathered
+    into the padded layout instead of the tokens (``d`` a token)."""
+    qc, _, qv = _gather_padded(Q, rq, q_mask, cu_q, q, max_q, cdt)
+    t0, t1 = int(cu_d[docs[0]]), int(cu_d[docs[-1] + 1])
+    if t1 > t0 and bool((docs[1:] - docs[:-1] == 1).all()):
+        rows, present = _padded_rows(cu_d, docs, max_d, D.shape[0])
+        valid = present if d_mask is None else present & d_mask[rows]
+        span = _scaled(D[t0:t1], None if rd is None else rd[t0:t1], cdt)
+        sim = (qc[0] @ span.T)[:, (rows - t0).clamp_(0, t1 - t0 - 1)]                  # [Lq, n, Ld]
+        sim = sim.permute(1, 0, 2).unsqueeze(0)
+    else:
+        x, present, valid = _gather_padded(D, rd, d_mask, cu_d, docs, max_d, cdt)
+        sim = torch.einsum("ash,bth->abst", qc, x)
+    values, winner = _reduce_rows(sim, qv, valid.unsqueeze(0), zero_mode, present.unsqueeze(0))
+    return values[0], winner[0]
+
+
+def _query_runs(pair_q: torch.Tensor):
+    """``[(query id [1], start, stop)]`` for runs of one query in a chunk of the pair list, or
+    None where the runs are not worth it: fewer than four pairs a run on average, or a
+    tensor off the CPU (finding the runs reads them on the host, a sync on a GPU).  On a
+    CPU a product per run beats one per pair (:func:`_score_run`)."""
+    if pair_q.device.type != "cpu" or pair_q.numel() == 0:
+        return None
+    ids, counts = torch.unique_consecutive(pair_q, return_counts=True)
+    if 4 * ids.numel() > pair_q.numel():
+        return None
+    runs, start = [], 0
+    for i, n in enumerate(counts.tolist()):
+        runs.append((ids[i:i + 1], start, start + n))
+        start += n
+    return runs
 
 
 def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, normalize, zero_mode, save_argmax):
@@ -331,13 +378,25 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
         step = _rows_per_chunk(max(max_q, 1) * max(max_d, 1), n_pairs)
         for p0 in range(0, n_pairs, step):
             ps = slice(p0, p0 + step)
-            qc, _, qv = _gather_padded(Q, rq, q_mask, cu_q, pair_q[ps], max_q, cdt)
-            dc, dp, dv = _gather_padded(D, rd, d_mask, cu_d, pair_d[ps], max_d, cdt)
-            sim = torch.einsum("ash,ath->ast", qc, dc).unsqueeze(1)
-            values, winner = _reduce_rows(sim, qv, dv.unsqueeze(1), zero_mode, dp.unsqueeze(1))
-            scores[ps] = values.sum(-1).squeeze(1).to(out_dtype)
+            runs = _query_runs(pair_q[ps])
+            if runs is None:
+                # one small product per pair, every pair's query gathered
+                dc, dp, dv = _gather_padded(D, rd, d_mask, cu_d, pair_d[ps], max_d, cdt)
+                qc, _, qv = _gather_padded(Q, rq, q_mask, cu_q, pair_q[ps], max_q, cdt)
+                sim = torch.einsum("ash,ath->ast", qc, dc).unsqueeze(1)
+                values, winner = _reduce_rows(sim, qv, dv.unsqueeze(1), zero_mode, dp.unsqueeze(1))
+                values, winner = values.squeeze(1), winner.squeeze(1)
+            else:
+                # consecutive pairs of one query (a rerank's candidate lists): one product of the
+                # query against all of them, as the cross product computes it
+                pd = pair_d[ps]
+                parts = [_score_run(Q, D, rq, rd, q_mask, d_mask, cu_q, cu_d, q, pd[a:b], max_q, max_d, cdt,
+                                    zero_mode) for q, a, b in runs]
+                values = torch.cat([v for v, _ in parts])
+                winner = torch.cat([w for _, w in parts])
+            scores[ps] = values.sum(-1).to(out_dtype)
             if argmax is not None:
-                argmax[ps] = winner.squeeze(1)
+                argmax[ps] = winner
         return scores, argmax
 
     scores = torch.empty((nq, nd), dtype=out_dtype, device=device)

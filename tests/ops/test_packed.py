@@ -95,6 +95,46 @@ def test_pairs_unsorted_duplicates_and_grads(backend, gen):
     _close(out.detach(), full[pair_q, pair_d])
 
 
+@pytest.mark.parametrize("mask_mode,normalize", [("exclude", False), ("zero", True)])
+def test_pair_lists_in_runs_of_one_query(backend, gen, mask_mode, normalize, monkeypatch):
+    # A rerank's pair list: runs of one query over its candidates.  The CPU path scores a run
+    # with one product -- over the packed span where the run's documents are consecutive
+    # (run 0, empty and fully masked documents inside), over gathered tokens where they are
+    # not (run 1: shuffled, a repeat) -- and per pair where runs are short (the tail).
+    lengths = (4, 0, 9, 1, 6, 3, 5, 2)
+    Qp, cu_q, _ = lik.pack(_ragged(gen, (5, 3, 7)))
+    Dp, cu_d, _ = lik.pack(_ragged(gen, lengths))
+    q_mask, d_mask = _holes(gen, Qp.shape[0]), _holes(gen, Dp.shape[0])
+    d_mask[cu_d[3]:cu_d[4]] = False                       # a fully masked document
+    pair_q = torch.tensor([0] * 8 + [1] * 6 + [2, 0])
+    pair_d = torch.tensor(list(range(8)) + [6, 2, 7, 2, 0, 3] + [5, 1])
+    from lik_plugins.kernels import chunked
+
+    runs = []
+    monkeypatch.setattr(chunked, "_score_run", lambda *a, _f=chunked._score_run: runs.append(a[9]) or _f(*a))
+    Qp.requires_grad_()
+    kw = dict(q_mask=q_mask, d_mask=d_mask, normalize=normalize, mask_mode=mask_mode)
+    out = lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, pair_q, pair_d, **kw)
+    want = reference.score_pairs_packed(Qp.double(), Dp.double(), cu_q, cu_d, pair_q, pair_d, **kw)
+    _close(out, want)
+    assert out[1] == 0 and out[15] == 0                   # the empty document
+    if backend == "torch-chunked":                        # one product per run of one query
+        assert [r.tolist() for r in runs] == [list(range(8)), [6, 2, 7, 2, 0, 3], [5], [1]]
+    g_out, = _grads(out, (Qp,), torch.Generator().manual_seed(3))
+    g_want, = _grads(want, (Qp,), torch.Generator().manual_seed(3))
+    _close(g_out, g_want)
+    # a NaN token poisons the scores of the pairs that read it, and only those
+    Dn = Dp.clone()
+    Dn[cu_d[2] + 1] = float("nan")
+    kw["d_mask"] = d_mask.clone()
+    kw["d_mask"][cu_d[2] + 1] = True                      # a valid token (a masked one may hide it)
+    with torch.no_grad():
+        out = lik.score_pairs_packed(Qp, Dn, cu_q, cu_d, pair_q, pair_d, **kw)
+        want = reference.score_pairs_packed(Qp.double(), Dn.double(), cu_q, cu_d, pair_q, pair_d, **kw)
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and torch.isnan(want).any()
+    _close(out[~torch.isnan(want)], want[~torch.isnan(want)])
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_rerank_gradients_split_over_programs(backend, gen, normalize, monkeypatch):
     # one query against many documents: the Triton backward splits the query's documents
