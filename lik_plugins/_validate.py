@@ -120,6 +120,23 @@ def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen, max
     return ok, longest
 
 
+def settle_checks(checks: list, on_host: bool) -> list | None:
+    """Settle device-side checks ``[(ok, longest or None, message)]`` (0-d tensors).
+    ``on_host``: one host read (one sync) settles them all with a ``ValueError`` and returns
+    each check's ``longest`` as an int; otherwise each is asserted on the device (no sync)
+    and None is returned."""
+    if not on_host:
+        for ok, _, message in checks:
+            torch._assert_async(ok, message)
+        return None
+    values = torch.stack([torch.stack([ok.to(torch.int64), (longest if longest is not None else ok).to(torch.int64)])
+                          for ok, longest, _ in checks]).tolist()
+    for (ok, _), (_, _, message) in zip(values, checks):
+        if not ok:
+            raise ValueError(message)
+    return [longest for _, longest in values]
+
+
 def offsets_message(name: str, packed_rows: int, max_seqlen, max_name: str) -> str:
     bound = "" if max_seqlen is None else f", and no sequence may be longer than {max_name}={max_seqlen}"
     return (f"{name} must start at 0, end at the packed length {packed_rows}, never decrease{bound} "

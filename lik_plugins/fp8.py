@@ -77,16 +77,21 @@ as_tokens = functools.partial(as_tokens_of, FP8)
 FUSED_QUANTISATION_ELEMENTS = 1 << 24
 
 
-def fuse_query_quantisation(Q, d_values: torch.Tensor) -> bool:
-    """Quantise a float query inside the scoring kernel (kernels/triton/forward.py
-    ``QUANT_Q``: one launch instead of two, the same quantised values) -- on a GPU, for
-    embeddings up to 256 wide, where the repeated quantisation is small (above).  The
-    interpreter keeps the separate quantisation: it casts fp32 to e4m3 wrongly (see
-    kernels/triton/quantize.py)."""
-    if not isinstance(Q, torch.Tensor) or Q.dim() != 3 or not 0 < Q.shape[-1] <= 256 or triton_interpret():
+def fused_quantisation_fits(Q, d_values: torch.Tensor) -> bool:
+    """A float query ``[Nq, Lq, d]`` the scoring kernel can quantise itself (``QUANT_Q``, fp8
+    or int8 documents): embeddings up to 256 wide, and a small repeated quantisation (above)."""
+    if not isinstance(Q, torch.Tensor) or Q.dim() != 3 or not 0 < Q.shape[-1] <= 256:
         return False
     docs_per_query = d_values.shape[-3] if d_values.dim() >= 3 else 1
     return docs_per_query * Q.numel() <= FUSED_QUANTISATION_ELEMENTS
+
+
+def fuse_query_quantisation(Q, d_values: torch.Tensor) -> bool:
+    """Quantise a float query inside the scoring kernel (kernels/triton/forward.py
+    ``QUANT_Q``: one launch instead of two, the same quantised values) -- on a GPU, where
+    :func:`fused_quantisation_fits`.  The interpreter keeps the separate quantisation: it
+    casts fp32 to e4m3 wrongly (see kernels/triton/quantize.py)."""
+    return not triton_interpret() and fused_quantisation_fits(Q, d_values)
 
 
 def maxsim_fp8(

@@ -429,20 +429,6 @@ def maxsim_fp8(
 
 
 # ----------------------------------------------------------------------------- int8
-def fuse_int8_query_quantisation(Q: torch.Tensor, d_values: torch.Tensor) -> bool:
-    """Quantise a float query inside the int8 scoring kernel (``QUANT_Q``): torch's
-    quantisation is ~8 launches, more than a one-query rerank's kernel costs on the host.
-    Same bounds as fp8's fusion (:func:`lik_plugins.fp8.fuse_query_quantisation`: each
-    program re-quantises its query rows, so only while documents x query elements stay
-    small); unlike fp8 it also runs under the interpreter, whose int8 casts are exact."""
-    from .fp8 import FUSED_QUANTISATION_ELEMENTS
-
-    if Q.dim() != 3 or not 0 < Q.shape[-1] <= 256:
-        return False
-    docs_per_query = d_values.shape[-3] if d_values.dim() >= 3 else 1
-    return docs_per_query * Q.numel() <= FUSED_QUANTISATION_ELEMENTS
-
-
 @_registered("maxsim_int8", _fp8_fake)
 def maxsim_int8(
     Q: torch.Tensor, q_scales: Optional[torch.Tensor], d_values: torch.Tensor, d_scales: torch.Tensor,
@@ -455,25 +441,20 @@ def maxsim_int8(
 
     path = _path(d_values, "int8", entry, d_values.shape[-1])
     cross = d_values.dim() == 3
-    if q_scales is None:
-        if path == "triton" and fuse_int8_query_quantisation(Q, d_values):
-            from .kernels.triton import launch
-
-            return launch.forward(Q, d_values, q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode,
-                                  save_argmax=False, scales=(None, d_scales),
-                                  doc_format=launch.DocFormat(launch.INT8))[0]
-        if path == "triton":
-            from .kernels.triton import quantize
-
-            Q, q_scales = quantize.quantize_int8(Q)
-        else:
-            Q, q_scales = reference.quantize_int8(Q)
     if path == "triton":
-        from .kernels.triton import launch
+        from .fp8 import fused_quantisation_fits
+        from .kernels.triton import launch, quantize
 
+        # A float query is quantised inside the scoring kernel where that is cheap (q_scales
+        # stays None: ``QUANT_Q``; unlike fp8 also under the interpreter, whose int8 casts are
+        # exact), else by one quantisation launch -- never torch's ~8 ops per call.
+        if q_scales is None and not fused_quantisation_fits(Q, d_values):
+            Q, q_scales = quantize.quantize_int8(Q)
         return launch.forward(Q, d_values, q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode,
-                              save_argmax=False, scales=(q_scales.contiguous(), d_scales),
+                              save_argmax=False, scales=(None if q_scales is None else q_scales.contiguous(), d_scales),
                               doc_format=launch.DocFormat(launch.INT8))[0]
+    if q_scales is None:
+        Q, q_scales = reference.quantize_int8(Q)
     # No int8 kernel here: the same numbers from the dequantised tokens (fp32, 4x the bytes).
     return chunked.forward(reference.dequantize_int8(Q, q_scales), reference.dequantize_int8(d_values, d_scales),
                            q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode, save_argmax=False)[0]

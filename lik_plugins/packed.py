@@ -31,7 +31,7 @@ import torch
 from . import _routing, library
 from ._validate import (
     check_index_tensor, check_mask, check_max_seqlen, check_offsets, check_offsets_shape, check_options, check_tensor,
-    offsets_message,
+    offsets_message, settle_checks,
 )
 from .kernels import reference
 from .kernels.dispatch import served_by
@@ -186,18 +186,11 @@ def _check_on_device(cu_q, cu_d, pair_q, pair_d, rows_q, rows_d, max_q, max_d):
     ]
     if pair_q is not None:
         checks.append((_pairs_in_range(cu_q, cu_d, pair_q, pair_d), None, _pairs_message(cu_q, cu_d)))
-    if max_q is None or max_d is None:
-        # one host read settles the bounds and every check, with clear Python errors
-        values = torch.stack([torch.stack([ok.to(torch.int64), (longest if longest is not None else ok).to(torch.int64)])
-                              for ok, longest, _ in checks]).tolist()
-        for (ok, _), (_, _, message) in zip(values, checks):
-            if not ok:
-                raise ValueError(message)
-        max_q = values[0][1] if max_q is None else max_q
-        max_d = values[1][1] if max_d is None else max_d
-    else:
-        for ok, _, message in checks:
-            torch._assert_async(ok, message)
+    # a missing bound: one host read settles the bounds and every check, with clear Python errors
+    longest = settle_checks(checks, on_host=max_q is None or max_d is None)
+    if longest is not None:
+        max_q = longest[0] if max_q is None else max_q
+        max_d = longest[1] if max_d is None else max_d
     return max_q, max_d
 
 

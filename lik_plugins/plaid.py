@@ -28,7 +28,7 @@ import torch
 
 from . import _routing, library
 from ._config import disabled, forced_backend
-from ._validate import check_max_seqlen, check_offsets, check_tensor, offsets_message
+from ._validate import check_max_seqlen, check_offsets, check_tensor, offsets_message, settle_checks
 from .kernels import reference
 from .kernels.reference import PLAID_NBITS, lengths_mask, residual_bytes
 
@@ -166,6 +166,19 @@ def _check_index(codes, residuals, centroids, bucket_weights, nbits, *, lead: in
             raise ValueError(f"{name} is on {t.device} but codes on {codes.device}")
 
 
+def _queries(Q, centroids: torch.Tensor, index_device: torch.device) -> tuple[torch.Tensor, bool]:
+    """``(Q [Nq, Lq, d], single)``, checked against the index; a 2-D ``Q`` is one query."""
+    single = isinstance(Q, torch.Tensor) and Q.dim() == 2
+    if single:
+        Q = Q.unsqueeze(0)
+    check_tensor("Q", Q, 3)
+    if Q.shape[-1] != centroids.shape[1]:
+        raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, centroids d={centroids.shape[1]}")
+    if Q.device != index_device:
+        raise ValueError(f"Q is on {Q.device} but the index on {index_device}")
+    return Q, single
+
+
 def maxsim_residual(Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tensor, doc_lengths: torch.Tensor,
                     centroids: torch.Tensor, bucket_weights: torch.Tensor, nbits: int, *,
                     normalize: bool = True) -> torch.Tensor:
@@ -190,15 +203,8 @@ def maxsim_residual(Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tenso
 
         >>> scores = maxsim_residual(Q, codes, residuals, lengths, centroids, weights, 2)
     """
-    single = isinstance(Q, torch.Tensor) and Q.dim() == 2
-    if single:
-        Q = Q.unsqueeze(0)
-    check_tensor("Q", Q, 3)
     _check_index(codes, residuals, centroids, bucket_weights, nbits, lead=2)
-    if Q.shape[-1] != centroids.shape[1]:
-        raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, centroids d={centroids.shape[1]}")
-    if Q.device != codes.device:
-        raise ValueError(f"Q is on {Q.device} but the index on {codes.device}")
+    Q, single = _queries(Q, centroids, codes.device)
     if not isinstance(doc_lengths, torch.Tensor) or doc_lengths.shape != (codes.shape[0],) \
             or doc_lengths.is_floating_point():
         raise ValueError(f"doc_lengths must be an integer tensor of shape ({codes.shape[0]},)")
@@ -244,25 +250,16 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
     max_seqlen_d = check_max_seqlen("max_seqlen_d", max_seqlen_d)
     cu = cu_seqlens_d.to(codes_flat.device)
     n_tokens = codes_flat.shape[0]
-    ok, longest = check_offsets("cu_seqlens_d", cu, n_tokens, max_seqlen_d, "max_seqlen_d")
-    message = offsets_message("cu_seqlens_d", n_tokens, max_seqlen_d, "max_seqlen_d")
-    if max_seqlen_d is None:
-        ok, max_seqlen_d = torch.stack([ok.to(torch.int64), longest.to(torch.int64)]).tolist()   # one host sync
-        if not ok:
-            raise ValueError(message)
-    else:
-        torch._assert_async(ok, message)
-    single = isinstance(Q, torch.Tensor) and Q.dim() == 2
+    check = (*check_offsets("cu_seqlens_d", cu, n_tokens, max_seqlen_d, "max_seqlen_d"),
+             offsets_message("cu_seqlens_d", n_tokens, max_seqlen_d, "max_seqlen_d"))
+    longest = settle_checks([check], on_host=max_seqlen_d is None)      # no bound given: one host sync
+    if longest is not None:
+        max_seqlen_d = longest[0]
     wants_grad = isinstance(Q, torch.Tensor) and Q.requires_grad and torch.is_grad_enabled()
     if wants_grad or disabled() or forced_backend() == "reference":
         codes, residuals, lengths = reference.pad_packed_index(codes_flat, residuals_flat, cu, max_seqlen_d)
         return maxsim_residual(Q, codes, residuals, lengths, centroids, bucket_weights, nbits, normalize=normalize)
-    Q3 = Q.unsqueeze(0) if single else Q
-    check_tensor("Q", Q3, 3)
-    if Q3.shape[-1] != centroids.shape[1]:
-        raise ValueError(f"embedding dims differ: Q has d={Q3.shape[-1]}, centroids d={centroids.shape[1]}")
-    if Q3.device != codes_flat.device:
-        raise ValueError(f"Q is on {Q3.device} but the index on {codes_flat.device}")
+    Q3, single = _queries(Q, centroids, codes_flat.device)
     out = library.maxsim_residual_varlen(Q3, codes_flat.to(torch.int32).contiguous(), residuals_flat.contiguous(),
                                          cu.to(torch.int32), centroids.contiguous(),
                                          bucket_weights.float().contiguous(), nbits, int(max_seqlen_d),

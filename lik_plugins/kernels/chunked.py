@@ -14,6 +14,7 @@ import torch
 
 from .._config import chunk_elements
 from .common import argmax_dtype, inverse_norms, project_out_norm
+from .reference import packed_positions
 
 _NO_WINNER = -1
 
@@ -302,24 +303,13 @@ def _gather_padded(X, inv_norm, mask, cu, seq, length_bound, cdt):
     went to zeroing them); every use masks them through ``present`` / ``valid``, and
     :func:`_reduce_rows` replaces masked similarities instead of multiplying them, so even a
     NaN there cannot leak."""
-    rows, present = _padded_rows(cu, seq, length_bound, X.shape[0])
+    rows, present = packed_positions(cu, seq, length_bound, X.shape[0])
     if X.shape[0] == 0:
         x = X.new_zeros((seq.shape[0], length_bound, X.shape[-1]), dtype=cdt)
         return x, present, present
     x = _scaled(X[rows], None if inv_norm is None else inv_norm[rows], cdt)
     valid = present if mask is None else present & mask[rows]
     return x, present, valid
-
-
-def _padded_rows(cu, seq, length_bound, n_rows):
-    """Packed row of each padded position ``[n, length_bound]`` (clamped into the packed
-    tensor past a sequence's end) and whether it is a real token."""
-    start = cu[seq].long()
-    length = cu[seq + 1].long() - start
-    pos = torch.arange(length_bound, device=cu.device)
-    present = pos[None, :] < length[:, None]
-    rows = (start[:, None] + pos[None, :]).clamp_(0, max(n_rows - 1, 0))
-    return rows, present
 
 
 def _score_run(Q, D, rq, rd, q_mask, d_mask, cu_q, cu_d, q, docs, max_q, max_d, cdt, zero_mode):
@@ -330,7 +320,7 @@ def _score_run(Q, D, rq, rd, q_mask, d_mask, cu_q, cu_d, q, docs, max_q, max_d, 
     qc, _, qv = _gather_padded(Q, rq, q_mask, cu_q, q, max_q, cdt)
     t0, t1 = int(cu_d[docs[0]]), int(cu_d[docs[-1] + 1])
     if t1 > t0 and bool((docs[1:] - docs[:-1] == 1).all()):
-        rows, present = _padded_rows(cu_d, docs, max_d, D.shape[0])
+        rows, present = packed_positions(cu_d, docs, max_d, D.shape[0])
         valid = present if d_mask is None else present & d_mask[rows]
         span = _scaled(D[t0:t1], None if rd is None else rd[t0:t1], cdt)
         sim = (qc[0] @ span.T)[:, (rows - t0).clamp_(0, t1 - t0 - 1)]                  # [Lq, n, Ld]

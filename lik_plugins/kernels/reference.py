@@ -269,19 +269,32 @@ def maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights,
     return maxsim(Q, D.to(Q.dtype), None, valid)
 
 
+def packed_positions(cu: torch.Tensor, seq: torch.Tensor, length_bound: int,
+                     n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded view of packed sequences ``seq`` (``[n]`` ids, offsets ``cu``): the packed row of
+    each position ``[n, length_bound]`` (clamped into the ``n_rows`` packed rows past a
+    sequence's end, so gathering it is safe) and whether it is a real token."""
+    start = cu[seq].long()
+    length = cu[seq + 1].long() - start
+    pos = torch.arange(length_bound, device=cu.device)
+    present = pos[None, :] < length[:, None]
+    rows = (start[:, None] + pos[None, :]).clamp_(0, max(n_rows - 1, 0))
+    return rows, present
+
+
 def pad_packed_index(codes_flat: torch.Tensor, residuals_flat: torch.Tensor, cu_seqlens_d: torch.Tensor,
                      max_seqlen_d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes [Nd, Ld], residuals [Nd, Ld, R], lengths [Nd])`` of a packed index (valid
-    offsets, ``Ld = max_seqlen_d``): one gather of the *compressed* tokens, padding zeros."""
+    offsets, ``Ld = max_seqlen_d``): one gather of the *compressed* tokens.  The padding
+    repeats some packed token (past the lengths, which every use masks)."""
     cu = cu_seqlens_d.to(torch.long)
     lengths = cu[1:] - cu[:-1]
-    pos = cu[:-1, None] + torch.arange(max_seqlen_d, device=cu.device)[None, :]
-    valid = pos < cu[1:, None]
-    if codes_flat.shape[0] == 0:
-        return (codes_flat.new_zeros(pos.shape), residuals_flat.new_zeros((*pos.shape, residuals_flat.shape[1])),
-                lengths)
-    pos = torch.where(valid, pos, torch.zeros_like(pos)).clamp_max(codes_flat.shape[0] - 1)
-    return codes_flat[pos], residuals_flat[pos], lengths
+    n = codes_flat.shape[0]
+    if n == 0:
+        shape = (lengths.shape[0], max_seqlen_d)
+        return codes_flat.new_zeros(shape), residuals_flat.new_zeros((*shape, residuals_flat.shape[1])), lengths
+    rows, _ = packed_positions(cu, torch.arange(lengths.shape[0], device=cu.device), max_seqlen_d, n)
+    return codes_flat[rows], residuals_flat[rows], lengths
 
 
 def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,

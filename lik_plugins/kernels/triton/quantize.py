@@ -4,8 +4,8 @@ index building).
 Same numbers as :func:`lik_plugins.kernels.reference.quantize_fp8` and
 :func:`~lik_plugins.kernels.reference.quantize_int8`, bit for bit (the arithmetic is
 :func:`~lik_plugins.kernels.triton.forward.quantize_rows`, which the forward kernel also
-runs on its query rows when it fuses the query's quantisation).  The torch formulation takes ~8 launches; a query batch
-quantised inside a search call would pay them on every call.
+runs on its query rows when it fuses the query's quantisation).  The torch formulation
+takes ~8 launches; a query batch quantised inside a search call would pay them on every call.
 """
 from __future__ import annotations
 
