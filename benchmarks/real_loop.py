@@ -20,7 +20,8 @@ the kernels are what is measured; ``pylate`` is the real training loop):
   ``patch_pylate()``, the peers are PyLate's own ``PYLATE_SCORES_BACKEND`` choices.
 
 Implementations: ``lik_plugins``, ``late-interaction-kernels``, ``flash-maxsim``, ``torch``
-(eager einsum).  Per cell: first step, first 10 steps (sum), steady median / max after
+(eager einsum); ``lik_plugins-serial`` (not in the default set) is ``lik_plugins`` with
+``LIK_COMPILE_AHEAD=0``.  Per cell: first step, first 10 steps (sum), steady median / max after
 step 10 and the count of steps above 20x the median.  Writes ``real_loop.json`` (long
 format) and ``real_loop.md``.
 """
@@ -37,6 +38,9 @@ import time
 
 LOOPS = ("fixed", "vary-colbert", "vary-colpali", "pylate")
 IMPLS = ("lik_plugins", "late-interaction-kernels", "flash-maxsim", "torch")
+# lik_plugins with LIK_COMPILE_AHEAD=0: the backward's kernels compile when the backward
+# needs them, one after another in the caller's thread (the A/B of kernels/triton/ahead.py)
+EXTRA_IMPLS = ("lik_plugins-serial",)
 
 
 # ----------------------------------------------------------------------------- one cell
@@ -45,7 +49,7 @@ def _scorer(impl: str):
     first step's time: they are part of what a cold process pays)."""
     import torch
 
-    if impl == "lik_plugins":
+    if impl.startswith("lik_plugins"):
         import lik_plugins as lik
 
         return lambda Q, D, dm: lik.maxsim(Q, D, None, dm)
@@ -112,7 +116,7 @@ def _pylate_loop(args) -> list[float]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import pylate_e2e
 
-    if args.impl == "lik_plugins":
+    if args.impl.startswith("lik_plugins"):
         import lik_plugins
 
         lik_plugins.patch_pylate()
@@ -139,16 +143,37 @@ def _pylate_loop(args) -> list[float]:
     return times
 
 
+def _listen_to_compiles() -> list:
+    """Every Triton compile of the cell (ours and the peers'): kernel, thread, seconds, and
+    whether it was a load from the on-disk cache."""
+    import threading
+
+    import triton
+
+    events: list = []
+
+    def listen(*, src, metadata, metadata_group, times, cache_hit):
+        events.append([getattr(src, "name", str(src)), threading.current_thread().name, times.total / 1e6,
+                       bool(cache_hit)])
+
+    if getattr(getattr(triton, "knobs", None), "compilation", None) is not None:
+        triton.knobs.compilation.listener = listen
+    return events
+
+
 def run_cell(args) -> dict:
     t_start = time.perf_counter()
+    compiles = _listen_to_compiles() if args.impl != "torch" else []
     times = _pylate_loop(args) if args.loop == "pylate" else _kernel_loop(args)
     steady = times[10:] or times
     median = statistics.median(steady)
     row = dict(loop=args.loop, impl=args.impl, compile=bool(args.compile), cache=args.cache,
                first_step_s=times[0], first10_s=sum(times[:10]), steady_median_ms=median * 1e3,
                steady_max_ms=max(steady) * 1e3, spikes_over_20x=sum(t > 20 * median for t in steady),
-               steps=len(times), cell_wall_s=time.perf_counter() - t_start)
-    if args.impl == "lik_plugins":
+               steps=len(times), cell_wall_s=time.perf_counter() - t_start, compiles=compiles,
+               compile_s=sum(e[2] for e in compiles if not e[3]),
+               compile_caller_s=sum(e[2] for e in compiles if not e[3] and e[1] == "MainThread"))
+    if args.impl.startswith("lik_plugins"):
         from lik_plugins.kernels.triton import direct
 
         row["variants"] = direct.variants()
@@ -159,6 +184,8 @@ def run_cell(args) -> dict:
 def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout):
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
     env.pop("LIK_DISABLE", None)
+    if impl == "lik_plugins-serial":
+        env["LIK_COMPILE_AHEAD"] = "0"
     cmd = [sys.executable, os.path.abspath(__file__), "--cell", "--loop", loop, "--impl", impl,
            "--steps", str(steps), "--cache", cache_label] + (["--compile"] if compile_ else [])
     t0 = time.perf_counter()
@@ -181,16 +208,21 @@ def markdown(rows, meta) -> str:
            f"torch {meta['torch']}, triton {meta['triton']}; {meta.get('peers', '')}", "",
            f"Command: `{meta['command']}`", "",
            "Each cell: a fresh process; `cold` = empty Triton cache, `warm` = a second process on that cache.", "",
+           "Triton compiles: binaries built (not loaded from the disk cache) and their seconds, of which in "
+           "the caller's thread (the rest in background threads, beside it).", "",
            "| loop | compile | cache | implementation | first step (s) | first 10 steps (s) | steady median (ms) "
-           "| steady max (ms) | steps > 20x median |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| steady max (ms) | steps > 20x median | Triton compiles: n, s (caller's) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | error: {r['error']} | | | | |")
+            out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | error: {r['error']} "
+                       "| | | | | |")
             continue
+        built = [e for e in r.get("compiles", []) if not e[3]]
+        compiled = f"{len(built)}, {r.get('compile_s', 0):.1f} ({r.get('compile_caller_s', 0):.1f})" if built else ""
         out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | {r['first_step_s']:.2f} | "
                    f"{r['first10_s']:.2f} | {r['steady_median_ms']:.3f} | {r['steady_max_ms']:.2f} | "
-                   f"{r['spikes_over_20x']} |")
+                   f"{r['spikes_over_20x']} | {compiled} |")
     return "\n".join(out) + "\n"
 
 
@@ -227,7 +259,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--loop", choices=LOOPS)
-    p.add_argument("--impl", choices=IMPLS)
+    p.add_argument("--impl", choices=IMPLS + EXTRA_IMPLS)
     p.add_argument("--cache", default="cold")
     args = p.parse_args()
     if args.cell:

@@ -14,6 +14,9 @@ between two calls in the same process.
                             (default 2**24, i.e. 64 MB of fp32 scratch).
 ``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
                             the compiled launcher (see ``kernels/triton/direct.py``).
+``LIK_COMPILE_AHEAD=0``     compile a training step's backward kernels in the caller's
+                            thread when it needs them, instead of in background threads
+                            while the forward compiles (``kernels/triton/ahead.py``).
 ``LIK_AUTOTUNE``            ``auto`` (default): forward and backward configs come from the
                             committed per-architecture table (``kernels/triton/configs/``);
                             an architecture without a table is swept once and the result
@@ -54,6 +57,10 @@ def disabled() -> bool:
 
 def direct_launch_enabled() -> bool:
     return _getenv("LIK_DIRECT_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def compile_ahead_enabled() -> bool:
+    return _getenv("LIK_COMPILE_AHEAD", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def forced_backend() -> str:

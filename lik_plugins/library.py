@@ -40,6 +40,7 @@ import torch
 
 from ._routing import record
 from .kernels.common import COMPACT_MAX_ROWS, argmax_dtype
+from .kernels.expected import expect, forget
 from .kernels.dispatch import implementation, served_by, serves_width, sm_count
 
 # Layouts, passed to the ops as ints (a custom op's schema takes int, not an enum).
@@ -196,7 +197,13 @@ class _MaxSim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, D, q_mask, d_mask, options):
         layout, normalize, zero_mode, strategy, entry = options
-        scores, argmax = maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, entry)
+        # the backward this forward will meet: compiled beside the forward if that compiles
+        token = expect(_maxsim_backward_ahead, (Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy,
+                                                ctx.needs_input_grad[0], ctx.needs_input_grad[1]), _maxsim_step_ahead)
+        try:
+            scores, argmax = maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, entry)
+        finally:
+            forget(token)
         ctx.save_for_backward(Q, D, argmax)
         ctx.options = (layout, normalize, strategy, q_mask is not None)
         return scores
@@ -208,6 +215,19 @@ class _MaxSim(torch.autograd.Function):
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gq, gd = maxsim_backward(grad, Q, D, argmax, layout, normalize, strategy, need_q, need_d, q_masked)
         return (gq if need_q else None), (gd if need_d else None), None, None, None
+
+
+def _maxsim_backward_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d):
+    # run on fake tensors (kernels/triton/ahead.py): the saved winners and the incoming
+    # gradient as the forward's fake kernel shapes them
+    scores, argmax = _maxsim_forward_fake(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, "")
+    maxsim_backward(torch.empty_like(scores), Q, D, argmax, layout, normalize, strategy, need_q, need_d,
+                    q_mask is not None)
+
+
+def _maxsim_step_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d):
+    maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, "")
+    _maxsim_backward_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d)
 
 
 def maxsim(Q, D, q_mask, d_mask, *, layout: int, normalize: bool, zero_mode: bool, strategy: str,
@@ -298,8 +318,14 @@ class _MaxSimVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, options):
         max_q, max_d, normalize, zero_mode, entry = options
-        scores, argmax = maxsim_varlen_forward(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
-                                               normalize, zero_mode, True, entry)
+        # packed lengths are not guessed: their kernels take the lengths from the offsets
+        token = expect(_varlen_backward_ahead, (Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
+                                                normalize, zero_mode, ctx.needs_input_grad[0], ctx.needs_input_grad[1]))
+        try:
+            scores, argmax = maxsim_varlen_forward(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
+                                                   normalize, zero_mode, True, entry)
+        finally:
+            forget(token)
         if pair_q is None:
             ctx.save_for_backward(Q, D, cu_q, cu_d, argmax)
         else:
@@ -315,6 +341,14 @@ class _MaxSimVarlen(torch.autograd.Function):
         gq, gd = maxsim_varlen_backward(grad.contiguous(), Q, D, cu_q, cu_d, pair_q, pair_d, argmax, ctx.normalize,
                                         need_q, need_d)
         return (gq if need_q else None), (gd if need_d else None), None, None, None, None, None, None, None
+
+
+def _varlen_backward_ahead(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d, normalize, zero_mode,
+                           need_q, need_d):
+    scores, argmax = _varlen_forward_fake(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
+                                          normalize, zero_mode, True, "")
+    maxsim_varlen_backward(torch.empty_like(scores), Q, D, cu_q, cu_d, pair_q, pair_d, argmax, normalize, need_q,
+                           need_d)
 
 
 def maxsim_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, *, max_q: int, max_d: int, normalize: bool,
@@ -367,7 +401,12 @@ class _SmoothMaxSim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, D, options):
         tau, layout, entry = options
-        scores, lse = smooth_maxsim_forward(Q, D, tau, layout, entry)
+        token = expect(_smooth_backward_ahead, (Q, D, tau, layout, ctx.needs_input_grad[0], ctx.needs_input_grad[1]),
+                       _smooth_step_ahead)
+        try:
+            scores, lse = smooth_maxsim_forward(Q, D, tau, layout, entry)
+        finally:
+            forget(token)
         ctx.save_for_backward(Q, D, lse)
         ctx.options = (tau, layout)
         return scores
@@ -381,6 +420,16 @@ class _SmoothMaxSim(torch.autograd.Function):
             return None, None, None
         gq, gd = smooth_maxsim_backward(grad.contiguous(), Q, D, lse, tau, layout, need_q, need_d)
         return (gq if need_q else None), (gd if need_d else None), None
+
+
+def _smooth_backward_ahead(Q, D, tau, layout, need_q, need_d):
+    scores, lse = _smooth_forward_fake(Q, D, tau, layout, "")
+    smooth_maxsim_backward(torch.empty_like(scores), Q, D, lse, tau, layout, need_q, need_d)
+
+
+def _smooth_step_ahead(Q, D, tau, layout, need_q, need_d):
+    smooth_maxsim_forward(Q, D, tau, layout, "")
+    _smooth_backward_ahead(Q, D, tau, layout, need_q, need_d)
 
 
 def smooth_maxsim(Q, D, *, tau: float, layout: int, entry: str) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch
 import triton
 
 from ..._config import direct_launch_enabled
+from . import ahead
 
 # Triton releases (major, minor) whose compiled-launcher layout the replay was checked
 # against on a GPU; others launch through the JIT.
@@ -47,7 +48,7 @@ MAX_PLANS = 4096
 _plans: dict = {}
 
 
-def _feature(arg, specialized: bool = True):
+def _feature(arg, specialized: bool = True, fake: bool = False):
     kind = type(arg)
     if kind is int:
         fits = -0x80000000 <= arg <= 0x7FFFFFFF
@@ -55,7 +56,8 @@ def _feature(arg, specialized: bool = True):
     if kind is bool or arg is None:
         return (kind, arg)
     if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
+        # a fake tensor (a dry run, ahead.py) has no address: it stands for an aligned one
+        return (arg.dtype, fake or arg.data_ptr() % 16 == 0)
     return (kind,)
 
 
@@ -82,9 +84,15 @@ def specialized_args(kernel) -> tuple[bool, ...]:
     return flags
 
 
-def _signature(kernel, args: tuple) -> tuple:
+def signature(kernel, args: tuple, fake: bool = False) -> tuple:
+    """What Triton specialises ``kernel`` on in ``args`` (``fake``: tensors without an address)."""
     flags = specialized_args(kernel)
-    return tuple(_feature(a, flags[i] if i < len(flags) else True) for i, a in enumerate(args))
+    return tuple(_feature(a, flags[i] if i < len(flags) else True, fake) for i, a in enumerate(args))
+
+
+def variant(kernel, args: tuple, meta: dict, fake: bool = False) -> tuple:
+    """The binary a launch needs: kernel name, constexprs and warps, argument features."""
+    return (_kernel_name(kernel), tuple(sorted(meta.items())), signature(kernel, args, fake))
 
 
 # (kernel name, meta, argument signature) of every launch: the binaries the calls needed.
@@ -98,6 +106,11 @@ def variants() -> dict[str, int]:
     for name, _, _ in _VARIANTS:
         counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def launched() -> set:
+    """The variants (:func:`variant`) launched so far."""
+    return _VARIANTS
 
 
 def reset_variants() -> None:
@@ -143,17 +156,23 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
     control (the user's inputs and views of them); the others must be fresh allocations of
     PyTorch's CUDA allocator, which starts every block on a 512-byte boundary, so their
     alignment needs no check (~3 us less per launch on the device machine's CPU)."""
+    recorded = ahead.recording()
+    if recorded is not None:        # a dry run (ahead.py): note the launch, make none
+        recorded.append((kernel, grid, args, meta))
+        return None
     # an Autotuner or the interpreter's function (TRITON_INTERPRET=1 at import) is not a JITFunction
     if type(kernel) is not triton.runtime.JITFunction or not direct_launch_enabled() or _hooks_set() \
             or not replay_ok():
-        _VARIANTS.add((_kernel_name(kernel), tuple(sorted(meta.items())), _signature(kernel, args)))
+        needed = variant(kernel, args, meta)
+        _VARIANTS.add(needed)
+        ahead.wait(needed)
         return kernel[grid](*args, **meta)
     if callable(grid):
         grid = grid(meta)
     device = torch.cuda.current_device()
     generic = None
     if static_key is None:
-        key = generic = (id(kernel), device, tuple(meta.items()), *_signature(kernel, args))
+        key = generic = (id(kernel), device, tuple(meta.items()), *signature(kernel, args))
     else:
         checked = args if caller_tensors is None else caller_tensors
         key = (id(kernel), device, static_key,
@@ -162,12 +181,15 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
     if plan is None:
         if generic is None:
             # a static key not seen yet (a new length, say): the binary may well be known
-            generic = (id(kernel), device, tuple(meta.items()), *_signature(kernel, args))
+            generic = (id(kernel), device, tuple(meta.items()), *signature(kernel, args))
             plan = _plans.get(generic)
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         if plan is None:
-            _VARIANTS.add((_kernel_name(kernel), tuple(sorted(meta.items())), _signature(kernel, args)))
+            needed = variant(kernel, args, meta)
+            _VARIANTS.add(needed)
+            ahead.fire()            # a compile, or a load from disk: start the backward's beside it
+            ahead.wait(needed)      # and take this binary from a background thread if one has it
             compiled = kernel[grid](*args, **meta)
             _plans[key] = _plans[generic] = (compiled, _tail(kernel, len(args), meta))
             return compiled

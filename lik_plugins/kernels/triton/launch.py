@@ -29,7 +29,7 @@ import torch
 from ..common import COMPACT_MAX_ROWS, argmax_dtype, inverse_norms
 from ..dispatch import sm_count
 from ..reference import FP8_MAX, INT8_MAX
-from . import direct
+from . import ahead, direct
 from .backward import (
     maxsim_bwd_gather_kernel, maxsim_bwd_varlen_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
 )
@@ -203,9 +203,12 @@ def _placeholder(device, dtype) -> torch.Tensor:
     would live in their pool untracked, which they reject.  Cached per device so the hot
     path builds nothing for it."""
     key = (device, dtype)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.empty(0, dtype=dtype, device=device)
-    return _PLACEHOLDERS[key]
+    found = _PLACEHOLDERS.get(key)
+    if found is None:
+        found = torch.empty(0, dtype=dtype, device=device)
+        if ahead.recording() is None:   # a dry run's tensors are fake: never keep one
+            _PLACEHOLDERS[key] = found
+    return found
 
 
 def _no_offsets(device) -> tuple:

@@ -1,0 +1,229 @@
+"""Compile ahead: a training step's backward kernels compile in background threads while its
+forward kernel compiles.
+
+A cold process pays Triton's compiler once per binary (1.5-2.5 s each for our kernels on the
+H100 machine's CPU), and a training step needs two to four binaries: the forward, then the
+backward's.  One after another that is most of a cold loop's first step
+(``docs/performance-notes.md``).  Triton's compiler releases the GIL for most of its work
+(MLIR and LLVM passes, ptxas), so the binaries can be built side by side.
+
+How: around a forward that will need a gradient, the op layer names the backward call to
+expect (``kernels/expected.py``).  If the forward launch finds no binary for itself
+(``direct.launch``'s compile path: a new process, or lengths in a new bucket), that launch
+first *fires* the expectation: the backward runs once on fake tensors (``FakeTensorMode``:
+shapes, dtypes, strides and the device, no memory, no GPU work) with every Triton launch
+*recorded* instead of made; each recorded launch is handed to a thread that compiles it
+(``JITFunction.warmup``: the JIT's own specialisation and cache, nothing launched).  The
+real backward's launch then waits for that thread (:func:`wait`) instead of compiling the
+same binary again, and finds it in the JIT's cache.
+
+Nothing here can change a result: a prediction that misses (a gradient with other strides
+than the one expected, an unaligned tensor) only means the real launch compiles its own
+binary, as it would have without this module; a failed dry run or background compile is
+ignored the same way.  ``LIK_COMPILE_AHEAD=0`` turns it off.  The dry run costs about a
+millisecond of host time and happens only on a forward compile, never on a warm call.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import triton
+
+from ..._config import compile_ahead_enabled
+from ..expected import take
+
+# Enough threads for a backward's two or three kernels beside the forward compiling in
+# the caller's thread; more would contend for the GIL's Python parts of the compiler.
+WORKERS = 3
+# Document lengths are bucketed on multiples of this (tile widths, the tuner's size
+# classes); the guesses of :func:`_speculate` sit on both sides of each boundary.
+LD_STEP = 64
+
+_recorded: contextvars.ContextVar = contextvars.ContextVar("lik_recorded_launches", default=None)
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+# variant (direct.variant) -> the future of its background compile, until waited for
+_pending: dict = {}
+# every variant asked for: each is compiled once per process
+_asked: set = set()
+# family (the call without its lengths) -> the (Lq, Ld) its compiles were fired at, and
+# the (Lq, Ld) already guessed
+_seen: dict = {}
+_guessed: dict = {}
+
+
+def recording() -> list | None:
+    """The list launches are recorded into while a dry run is active, else None."""
+    return _recorded.get()
+
+
+@contextlib.contextmanager
+def _recording_launches():
+    launches: list = []
+    token = _recorded.set(launches)
+    try:
+        yield launches
+    finally:
+        _recorded.reset(token)
+
+
+def fire() -> None:
+    """Called by ``direct.launch`` just before the JIT compiles a binary: dry-run the
+    backward the running forward expects (``kernels/expected.py``; at most once per forward)
+    and start compiling its kernels; where the caller's lengths have been seen to change,
+    also the steps at the other length buckets (:func:`_speculate`)."""
+    expected = take()
+    if expected is None or not compile_ahead_enabled():
+        return
+    backward, args, step = expected
+    try:
+        start(dry_run(backward, *args))
+        if step is not None:
+            _speculate(step, args)
+    except Exception:   # best effort: the real calls compile what they need themselves
+        return
+
+
+def _bucket_edges(lo: int, hi: int, steps: list[int]) -> list[int]:
+    """Lengths on both sides of every boundary in ``steps`` within ``[lo, hi]``, and the ends."""
+    out = {lo, hi}
+    for edge in steps:
+        out.update(v for v in (edge, edge + 1) if lo <= v <= hi)
+    return sorted(out)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def guesses(seen: set) -> list[tuple[int, int]]:
+    """The (Lq, Ld) worth compiling for once lengths ``seen`` have changed: every length
+    bucket between the powers of two around the seen ones.  Query lengths bucket on powers
+    of two (rows per program); document lengths on powers of two and multiples of
+    :data:`LD_STEP`.  One length that never changed guesses nothing along its axis."""
+    lqs, lds = {q for q, _ in seen}, {d for _, d in seen}
+    if len(lqs) > 1:
+        lo, hi = _pow2_floor(min(lqs)), _pow2_ceil(max(lqs))
+        lqs = _bucket_edges(lo, hi, [1 << k for k in range(hi.bit_length())])
+    if len(lds) > 1:
+        lo, hi = _pow2_floor(min(lds)), _pow2_ceil(max(lds))
+        lds = _bucket_edges(lo, hi, sorted({1 << k for k in range(hi.bit_length())} | set(range(LD_STEP, hi + 1,
+                                                                                              LD_STEP))))
+    return [(q, d) for q in sorted(lqs) for d in sorted(lds)]
+
+
+def _resized(args: tuple, lq: int, ld: int) -> tuple:
+    """``args`` -- queries ``[.., Lq, d]`` first, documents ``[.., Ld, d]`` second, then, where
+    they are tensors, the query mask ``[.., Lq]`` and the document mask ``[.., Ld]`` -- as fake
+    tensors with query length ``lq`` and document length ``ld``."""
+    out = list(args)
+    for i, (dim, length) in enumerate(((-2, lq), (-2, ld), (-1, lq), (-1, ld))):
+        a = args[i] if i < len(args) else None
+        if isinstance(a, torch.Tensor):
+            shape = list(a.shape)
+            shape[dim] = length
+            out[i] = torch.empty(shape, dtype=a.dtype, device=a.device)
+    return tuple(out)
+
+
+def _speculate(step, args) -> None:
+    """Lengths that change from call to call (documents padded to each batch's longest,
+    queries of varying length) reach a new bucket now and then, and its compile stalls that
+    step for a second or two -- late in a run, when nothing else does.  So once a family's
+    compiles have fired at two different lengths, every bucket between them and the powers
+    of two around them is dry-run (``step``: forward and backward) and compiled in the
+    background, after the binaries the caller needs now."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    Q, D = args[0], args[1]
+    if not (isinstance(Q, torch.Tensor) and isinstance(D, torch.Tensor)) or Q.dim() != 3:
+        return
+    family = (step, Q.shape[0], Q.shape[2], Q.dtype, Q.device, tuple(D.shape[:-2]), D.shape[-1], D.dtype,
+              tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else a for a in args[2:]))
+    seen = _seen.setdefault(family, set())
+    seen.add((Q.shape[1], D.shape[-2]))
+    if len(seen) < 2:
+        return
+    guessed = _guessed.setdefault(family, set())
+    todo = [g for g in guesses(seen) if g not in guessed and g not in seen]
+    guessed.update(todo)
+    launches: list = []
+    for lq, ld in todo:
+        with FakeTensorMode(), _recording_launches() as recorded:
+            step(*_resized(args, lq, ld))
+        launches += recorded
+    start(launches)
+
+
+def dry_run(fn, *args) -> list:
+    """``fn(*args)`` on fake copies of the tensors in ``args``: the ``(kernel, grid, args,
+    meta)`` of every launch it would make, in order, with fake tensors in ``args``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode, _recording_launches() as launches:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fn(*fake)
+    return launches
+
+
+def _mock(arg):
+    # a tensor as Triton's warm-up takes it: its dtype (an aligned mock pointer)
+    return arg.dtype if isinstance(arg, torch.Tensor) else arg
+
+
+def start(launches: list) -> None:
+    """Compile every recorded launch's binary in the background (each one once per process)."""
+    from .direct import launched as direct_variants, variant
+
+    global _pool
+    for kernel, _, args, meta in launches:
+        if type(kernel) is not triton.runtime.JITFunction:   # interpreter, autotuner: nothing to warm
+            continue
+        key = variant(kernel, args, meta, fake=True)
+        if key in _asked or key in direct_variants():
+            continue
+        _asked.add(key)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None or device.type != "cuda":
+            continue
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        # the JIT's per-device cache is created lazily by a defaultdict: create it here, in
+        # one thread, so a worker's binary lands in the table the caller will look in
+        kernel.device_caches[index]
+        if _pool is None:
+            with _pool_lock:
+                if _pool is None:
+                    _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="lik-compile")
+        _pending[key] = _pool.submit(_compile, kernel, index, tuple(_mock(a) for a in args), dict(meta))
+
+
+def _compile(kernel, device_index, args, meta):
+    with torch.cuda.device(device_index):
+        kernel.warmup(*args, grid=(1,), **meta)
+
+
+def wait(key) -> None:
+    """Before compiling variant ``key`` (``direct.variant``) in the caller's thread: take it
+    from its background compile -- waiting if that has started, else cancelling it (the
+    caller compiles it now rather than wait behind the queue)."""
+    future: Future | None = _pending.pop(key, None)
+    if future is None or future.cancel():
+        return
+    try:
+        future.result()
+    except Exception:   # the caller's own compile reports any real error
+        pass
+
+
+def pending() -> int:
+    """Background compiles not finished yet (for tests and benchmarks)."""
+    return sum(not f.done() for f in list(_pending.values()))

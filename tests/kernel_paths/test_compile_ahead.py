@@ -1,0 +1,140 @@
+"""Compile ahead (``kernels/triton/ahead.py``): the dry run of a backward on fake tensors
+predicts exactly the binaries the real backward then launches, and leaves nothing behind.
+
+The background compiles themselves need a GPU (``tests/gpu/test_compile_ahead_gpu.py``);
+here the interpreter runs the real backward and the variant counter (``direct.variants``)
+says which binaries it needed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lik_plugins as lik
+from lik_plugins import library
+from lik_plugins.kernels.triton import ahead, direct, launch
+
+pytestmark = pytest.mark.skipif(
+    not __import__("lik_plugins._config", fromlist=["x"]).triton_interpret(), reason="needs TRITON_INTERPRET=1"
+)
+
+
+def _predicted(fn, *args) -> set:
+    return {direct.variant(kernel, a, meta, fake=True) for kernel, _, a, meta in ahead.dry_run(fn, *args)}
+
+
+def _launched_by(step) -> set:
+    direct.reset_variants()
+    step()
+    return set(direct._VARIANTS)
+
+
+def _inputs(gen, nq, lq, nj, ld, d=16, grad_d=True):
+    Q = torch.randn(nq, lq, d, generator=gen, requires_grad=True)
+    D = torch.randn(nj, ld, d, generator=gen, requires_grad=grad_d)
+    dm = torch.rand(nj, ld, generator=gen) > 0.3
+    dm[:, 0] = True
+    return Q, D, dm
+
+
+CASES = {
+    # name: (nq, lq, nj, ld, layout, normalize, grad of D)
+    "in-batch, short documents": (6, 9, 6, 40, library.CROSS, False, True),
+    "in-batch, normalised": (4, 5, 5, 70, library.CROSS, True, True),
+    "in-batch, queries only": (3, 12, 4, 33, library.CROSS, False, False),
+    "per-query candidates": (3, 7, 4, 21, library.CANDIDATES, False, True),
+    "pairs": (5, 8, 5, 30, library.PAIRS, False, True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dry_run_predicts_the_backward_binaries(monkeypatch, name):
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    nq, lq, nj, ld, layout, normalize, grad_d = CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    Q, D, dm = _inputs(gen, nq, lq, nj, ld, grad_d=grad_d)
+    if layout == library.CANDIDATES:
+        D = torch.randn(nq, nj, ld, 16, generator=gen, requires_grad=True)
+        dm = torch.ones(nq, nj, ld, dtype=torch.bool)
+    elif layout == library.PAIRS:
+        D = torch.randn(nq, ld, 16, generator=gen, requires_grad=True)
+        dm = torch.ones(nq, ld, dtype=torch.bool)
+    predicted = _predicted(library._maxsim_backward_ahead, Q, D, None, dm, layout, normalize, False, "auto",
+                           True, grad_d)
+    assert predicted, "the dry run launched nothing"
+    scores = library.maxsim(Q, D, None, dm, layout=layout, normalize=normalize, zero_mode=False, strategy="auto",
+                            entry="")
+    weights = torch.randn(scores.shape, generator=gen)        # a contiguous incoming gradient
+    assert _launched_by(lambda: (scores * weights).sum().backward()) == predicted
+
+
+def test_dry_run_predicts_the_smooth_backward(monkeypatch):
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(3)
+    Q, D, _ = _inputs(gen, 4, 6, 4, 24)
+    predicted = _predicted(library._smooth_backward_ahead, Q, D, 0.1, library.CROSS, True, True)
+    assert predicted
+    scores = library.smooth_maxsim(Q, D, tau=0.1, layout=library.CROSS, entry="")
+    assert _launched_by(lambda: F.cross_entropy(scores, torch.arange(4)).backward()) == predicted
+
+
+def test_a_dry_run_leaves_no_fake_tensor_behind(monkeypatch):
+    # the launcher caches its placeholder tensors: one made during a dry run would be fake
+    # and break every later real launch on that device
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    monkeypatch.setattr(launch, "_PLACEHOLDERS", {})
+    gen = torch.Generator().manual_seed(5)
+    Q, D, dm = _inputs(gen, 3, 4, 3, 20)
+    ahead.dry_run(library._maxsim_backward_ahead, Q, D, None, dm, library.CROSS, True, False, "auto", True, True)
+    assert not any(isinstance(t, FakeTensor) for t in launch._PLACEHOLDERS.values())
+    out = lik.maxsim(Q, D, None, dm, normalize=True)
+    out.sum().backward()
+    assert torch.isfinite(Q.grad).all() and torch.isfinite(D.grad).all()
+
+
+def test_the_expectation_is_taken_once_and_only_inside_its_forward():
+    from lik_plugins.kernels.expected import expect, forget, take
+
+    assert take() is None
+    token = expect(print, (1, 2))
+    assert take() == (print, (1, 2), None)
+    assert take() is None                # a second compile in the same forward fires nothing
+    forget(token)
+    assert take() is None
+
+
+def test_guesses_straddle_every_length_bucket():
+    guessed = ahead.guesses({(12, 100), (25, 250)})
+    lqs, lds = sorted({q for q, _ in guessed}), sorted({d for _, d in guessed})
+    assert lqs == [8, 9, 16, 17, 32]                           # powers of two around 12 and 25
+    assert lds == [64, 65, 128, 129, 192, 193, 256]            # and the multiples of 64 between
+    assert ahead.guesses({(32, 100)}) == [(32, 100)]           # nothing changed: nothing guessed
+    assert {q for q, _ in ahead.guesses({(32, 100), (32, 180)})} == {32}
+
+
+@pytest.mark.parametrize("layout", [library.CROSS, library.CANDIDATES])
+def test_guessed_lengths_cover_every_binary_of_a_sweep(monkeypatch, layout):
+    """Two calls' lengths are enough to guess every binary a sweep of query lengths 8-32 and
+    document lengths 60-300 needs (forward and backward), at this machine's constants."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+
+    def args(lq, ld):
+        with FakeTensorMode():
+            Q = torch.empty(16, lq, 64)
+            D = torch.empty((16, ld, 64) if layout == library.CROSS else (16, 4, ld, 64))
+            dm = torch.empty(D.shape[:-1], dtype=torch.bool)
+        return (Q, D, None, dm, layout, False, False, "auto", True, True)
+
+    def binaries(lq, ld):
+        with FakeTensorMode(allow_non_fake_inputs=True), ahead._recording_launches() as launches:
+            library._maxsim_step_ahead(*ahead._resized(args(lq, ld), lq, ld))
+        return {direct.variant(k, a, m, fake=True) for k, _, a, m in launches}
+
+    needed = set().union(*(binaries(lq, ld) for lq in range(8, 33, 3) for ld in range(60, 301, 11)))
+    guessed = set().union(*(binaries(lq, ld) for lq, ld in ahead.guesses({(12, 100), (25, 250)})))
+    assert len(needed) >= 3 and needed <= guessed
