@@ -1,4 +1,4 @@
-"""Compile ahead (``kernels/triton/ahead.py``): the dry run of a backward on fake tensors
+"""Compile ahead (``kernels/triton/ahead.py``): the dry run of a backward on meta tensors
 predicts exactly the binaries the real backward then launches, and leaves nothing behind.
 
 The background compiles themselves need a GPU (``tests/gpu/test_compile_ahead_gpu.py``);
@@ -79,20 +79,29 @@ def test_dry_run_predicts_the_smooth_backward(monkeypatch):
     assert _launched_by(lambda: F.cross_entropy(scores, torch.arange(4)).backward()) == predicted
 
 
-def test_a_dry_run_leaves_no_fake_tensor_behind(monkeypatch):
-    # the launcher caches its placeholder tensors: one made during a dry run would be fake
-    # and break every later real launch on that device
-    from torch._subclasses.fake_tensor import FakeTensor
+def test_a_dry_run_leaves_the_real_launches_alone(monkeypatch):
+    # the launcher caches placeholder tensors and plans per device: a dry run's meta tensors
+    # must never reach a real launch, and a dry run must not import torch._dynamo (its
+    # first use costs seconds: why the dry run is not on FakeTensorMode)
+    import subprocess
+    import sys
 
     monkeypatch.setenv("LIK_BACKEND", "triton")
-    monkeypatch.setattr(launch, "_PLACEHOLDERS", {})
     gen = torch.Generator().manual_seed(5)
     Q, D, dm = _inputs(gen, 3, 4, 3, 20)
     ahead.dry_run(library._maxsim_backward_ahead, Q, D, None, dm, library.CROSS, True, False, "auto", True, True)
-    assert not any(isinstance(t, FakeTensor) for t in launch._PLACEHOLDERS.values())
+    assert all(t.device.type != "meta" for (device, _), t in launch._PLACEHOLDERS.items() if device.type != "meta")
     out = lik.maxsim(Q, D, None, dm, normalize=True)
     out.sum().backward()
     assert torch.isfinite(Q.grad).all() and torch.isfinite(D.grad).all()
+    probe = ("import sys, torch; from lik_plugins import library; from lik_plugins.kernels.triton import ahead; "
+             "Q = torch.randn(2, 3, 16); D = torch.randn(2, 5, 16); "
+             "ahead.dry_run(library._maxsim_backward_ahead, Q, D, None, None, 0, False, False, 'auto', True, True); "
+             "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "LIK_BACKEND": "triton"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("False")
 
 
 def test_the_expectation_is_taken_once_and_only_inside_its_forward():
@@ -119,20 +128,15 @@ def test_guesses_straddle_every_length_bucket():
 def test_guessed_lengths_cover_every_binary_of_a_sweep(monkeypatch, layout):
     """Two calls' lengths are enough to guess every binary a sweep of query lengths 8-32 and
     document lengths 60-300 needs (forward and backward), at this machine's constants."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     monkeypatch.setenv("LIK_BACKEND", "triton")
-
-    def args(lq, ld):
-        with FakeTensorMode():
-            Q = torch.empty(16, lq, 64)
-            D = torch.empty((16, ld, 64) if layout == library.CROSS else (16, 4, ld, 64))
-            dm = torch.empty(D.shape[:-1], dtype=torch.bool)
-        return (Q, D, None, dm, layout, False, False, "auto", True, True)
+    Q = torch.empty(16, 1, 64)
+    D = torch.empty((16, 1, 64) if layout == library.CROSS else (16, 4, 1, 64))
+    dm = torch.ones(D.shape[:-1], dtype=torch.bool)
+    args = (Q, D, None, dm, layout, False, False, "auto", True, True)
 
     def binaries(lq, ld):
-        with FakeTensorMode(allow_non_fake_inputs=True), ahead._recording_launches() as launches:
-            library._maxsim_step_ahead(*ahead._resized(args(lq, ld), lq, ld))
+        with ahead._dry_running(Q.device) as launches:
+            library._maxsim_step_ahead(*ahead._resized(args, lq, ld))
         return {direct.variant(k, a, m, fake=True) for k, _, a, m in launches}
 
     needed = set().union(*(binaries(lq, ld) for lq in range(8, 33, 3) for ld in range(60, 301, 11)))

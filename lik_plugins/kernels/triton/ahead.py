@@ -10,9 +10,9 @@ backward's.  One after another that is most of a cold loop's first step
 How: around a forward that will need a gradient, the op layer names the backward call to
 expect (``kernels/expected.py``).  If the forward launch finds no binary for itself
 (``direct.launch``'s compile path: a new process, or lengths in a new bucket), that launch
-first *fires* the expectation: the backward runs once on fake tensors (``FakeTensorMode``:
-shapes, dtypes, strides and the device, no memory, no GPU work) with every Triton launch
-*recorded* instead of made; each recorded launch is handed to a thread that compiles it
+first *fires* the expectation: the backward runs once on ``meta`` tensors (shapes, dtypes
+and strides; no memory, no GPU work; routed as the real device's, ``kernels/expected.py``)
+with every Triton launch *recorded* instead of made; each recorded launch is handed to a thread that compiles it
 (``JITFunction.warmup``: the JIT's own specialisation and cache, nothing launched).  The
 real backward's launch then waits for that thread (:func:`wait`) instead of compiling the
 same binary again, and finds it in the JIT's cache.
@@ -34,7 +34,7 @@ import torch
 import triton
 
 from ..._config import compile_ahead_enabled
-from ..expected import take
+from ..expected import reset_dry_run_device, set_dry_run_device, take
 
 # Enough threads for a backward's two or three kernels beside the forward compiling in
 # the caller's thread; more would contend for the GIL's Python parts of the compiler.
@@ -63,13 +63,33 @@ def recording() -> list | None:
 
 
 @contextlib.contextmanager
-def _recording_launches():
+def _dry_running(device: torch.device):
+    """Record launches instead of making them, routing ``meta`` tensors as ``device``'s."""
     launches: list = []
-    token = _recorded.set(launches)
+    token, device_token = _recorded.set(launches), set_dry_run_device(device)
     try:
         yield launches
     finally:
+        reset_dry_run_device(device_token)
         _recorded.reset(token)
+
+
+def _device_of(args) -> torch.device:
+    return next(a.device for a in args if isinstance(a, torch.Tensor))
+
+
+def _as_meta(args) -> tuple:
+    return tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                 if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def dry_run(fn, *args) -> list:
+    """``fn(*args)`` on ``meta`` copies of the tensors in ``args``, routed as the real
+    tensors' device: the ``(kernel, grid, args, meta)`` of every launch it would make, in
+    order (with ``meta`` tensors in ``args``)."""
+    with _dry_running(_device_of(args)) as launches:
+        fn(*_as_meta(args))
+    return launches
 
 
 def fire() -> None:
@@ -82,9 +102,10 @@ def fire() -> None:
         return
     backward, args, step = expected
     try:
-        start(dry_run(backward, *args))
+        device = _device_of(args)
+        start(dry_run(backward, *args), device)
         if step is not None:
-            _speculate(step, args)
+            _speculate(step, args, device)
     except Exception:   # best effort: the real calls compile what they need themselves
         return
 
@@ -123,31 +144,29 @@ def guesses(seen: set) -> list[tuple[int, int]]:
 
 def _resized(args: tuple, lq: int, ld: int) -> tuple:
     """``args`` -- queries ``[.., Lq, d]`` first, documents ``[.., Ld, d]`` second, then, where
-    they are tensors, the query mask ``[.., Lq]`` and the document mask ``[.., Ld]`` -- as fake
-    tensors with query length ``lq`` and document length ``ld``."""
+    they are tensors, the query mask ``[.., Lq]`` and the document mask ``[.., Ld]`` -- with
+    query length ``lq`` and document length ``ld``, as ``meta`` tensors."""
     out = list(args)
     for i, (dim, length) in enumerate(((-2, lq), (-2, ld), (-1, lq), (-1, ld))):
         a = args[i] if i < len(args) else None
         if isinstance(a, torch.Tensor):
             shape = list(a.shape)
             shape[dim] = length
-            out[i] = torch.empty(shape, dtype=a.dtype, device=a.device)
+            out[i] = torch.empty(shape, dtype=a.dtype, device="meta")
     return tuple(out)
 
 
-def _speculate(step, args) -> None:
+def _speculate(step, args, device: torch.device) -> None:
     """Lengths that change from call to call (documents padded to each batch's longest,
     queries of varying length) reach a new bucket now and then, and its compile stalls that
     step for a second or two -- late in a run, when nothing else does.  So once a family's
     compiles have fired at two different lengths, every bucket between them and the powers
-    of two around them is dry-run (``step``: forward and backward) and compiled in the
-    background, after the binaries the caller needs now."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    of two around them is dry-run (``step``: forward and backward; ~2 ms each) and compiled
+    in the background, after the binaries the caller needs now."""
     Q, D = args[0], args[1]
     if not (isinstance(Q, torch.Tensor) and isinstance(D, torch.Tensor)) or Q.dim() != 3:
         return
-    family = (step, Q.shape[0], Q.shape[2], Q.dtype, Q.device, tuple(D.shape[:-2]), D.shape[-1], D.dtype,
+    family = (step, Q.shape[0], Q.shape[2], Q.dtype, device, tuple(D.shape[:-2]), D.shape[-1], D.dtype,
               tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else a for a in args[2:]))
     seen = _seen.setdefault(family, set())
     seen.add((Q.shape[1], D.shape[-2]))
@@ -158,21 +177,10 @@ def _speculate(step, args) -> None:
     guessed.update(todo)
     launches: list = []
     for lq, ld in todo:
-        with FakeTensorMode(), _recording_launches() as recorded:
+        with _dry_running(device) as recorded:
             step(*_resized(args, lq, ld))
         launches += recorded
-    start(launches)
-
-
-def dry_run(fn, *args) -> list:
-    """``fn(*args)`` on fake copies of the tensors in ``args``: the ``(kernel, grid, args,
-    meta)`` of every launch it would make, in order, with fake tensors in ``args``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode() as mode, _recording_launches() as launches:
-        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fn(*fake)
-    return launches
+    start(launches, device)
 
 
 def _mock(arg):
@@ -180,22 +188,22 @@ def _mock(arg):
     return arg.dtype if isinstance(arg, torch.Tensor) else arg
 
 
-def start(launches: list) -> None:
-    """Compile every recorded launch's binary in the background (each one once per process)."""
-    from .direct import launched as direct_variants, variant
+def start(launches: list, device: torch.device) -> None:
+    """Compile every recorded launch's binary in the background for ``device`` (each one
+    once per process)."""
+    from .direct import launched, variant
 
     global _pool
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
     for kernel, _, args, meta in launches:
         if type(kernel) is not triton.runtime.JITFunction:   # interpreter, autotuner: nothing to warm
             continue
         key = variant(kernel, args, meta, fake=True)
-        if key in _asked or key in direct_variants():
+        if key in _asked or key in launched():
             continue
         _asked.add(key)
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        if device is None or device.type != "cuda":
-            continue
-        index = device.index if device.index is not None else torch.cuda.current_device()
         # the JIT's per-device cache is created lazily by a defaultdict: create it here, in
         # one thread, so a worker's binary lands in the table the caller will look in
         kernel.device_caches[index]

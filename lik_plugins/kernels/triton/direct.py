@@ -56,7 +56,7 @@ def _feature(arg, specialized: bool = True, fake: bool = False):
     if kind is bool or arg is None:
         return (kind, arg)
     if isinstance(arg, torch.Tensor):
-        # a fake tensor (a dry run, ahead.py) has no address: it stands for an aligned one
+        # a dry run's meta tensor (ahead.py) has no address: it stands for an aligned one
         return (arg.dtype, fake or arg.data_ptr() % 16 == 0)
     return (kind,)
 
@@ -85,7 +85,8 @@ def specialized_args(kernel) -> tuple[bool, ...]:
 
 
 def signature(kernel, args: tuple, fake: bool = False) -> tuple:
-    """What Triton specialises ``kernel`` on in ``args`` (``fake``: tensors without an address)."""
+    """What Triton specialises ``kernel`` on in ``args`` (``fake``: a dry run's tensors, without
+    an address)."""
     flags = specialized_args(kernel)
     return tuple(_feature(a, flags[i] if i < len(flags) else True, fake) for i, a in enumerate(args))
 

@@ -29,7 +29,7 @@ import torch
 from ..common import COMPACT_MAX_ROWS, argmax_dtype, inverse_norms
 from ..dispatch import sm_count
 from ..reference import FP8_MAX, INT8_MAX
-from . import ahead, direct
+from . import direct
 from .backward import (
     maxsim_bwd_gather_kernel, maxsim_bwd_varlen_kernel, maxsim_bwd_winners_kernel, project_rows_kernel,
 )
@@ -205,9 +205,7 @@ def _placeholder(device, dtype) -> torch.Tensor:
     key = (device, dtype)
     found = _PLACEHOLDERS.get(key)
     if found is None:
-        found = torch.empty(0, dtype=dtype, device=device)
-        if ahead.recording() is None:   # a dry run's tensors are fake: never keep one
-            _PLACEHOLDERS[key] = found
+        found = _PLACEHOLDERS[key] = torch.empty(0, dtype=dtype, device=device)
     return found
 
 
