@@ -35,7 +35,6 @@ import torch
 
 from .._config import disabled, forced_backend, triton_interpret
 from .common import SMOOTH_FUSED_MAX_DIM
-from .expected import dry_run_device
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OPS = ("maxsim", "smooth", "fp8", "int8", "residual", "hidden")
@@ -95,9 +94,6 @@ def served_by(t: torch.Tensor, op: str = "maxsim") -> str:
     like ``t`` now (``op``: one of :data:`OPS`; ``"maxsim"`` covers pairs too)."""
     if disabled():
         return "reference"
-    if t.device.type == "meta" and dry_run_device() is not None:
-        # a dry run (kernels/expected.py): route as a tensor on the device it stands for
-        t = torch.empty(0, dtype=t.dtype, device=dry_run_device())
     forced = forced_backend()
     if forced == "triton":
         ok, why = _triton_serves(t, op)
@@ -191,8 +187,6 @@ DEFAULT_SM_COUNT = 132
 
 def sm_count(device: torch.device | None) -> int:
     """Streaming multiprocessors of a CUDA ``device``, from the device itself."""
-    if device is not None and device.type == "meta":
-        device = dry_run_device()       # a dry run's tensors (kernels/expected.py)
     if device is None or device.type != "cuda":
         return DEFAULT_SM_COUNT
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,14 +1,9 @@
-"""The backward a forward expects, and the device a dry run stands for.
+"""The backward a forward expects.
 
 Around a forward that will need a gradient, the op layer (``library.py``) names the backward
 call to expect; if that forward's Triton kernel has to be compiled, the launcher takes the
 expectation and compiles the backward's kernels beside it (``kernels/triton/ahead.py``).
 Kept apart from that module so the op layer does not import Triton.
-
-A dry run computes on ``meta`` tensors (shapes, strides and dtypes, no data, no work); the
-routing and the device facts it consults (``kernels/dispatch.py``) answer for
-:func:`dry_run_device`, the device the real call will run on.  (``FakeTensorMode`` would
-keep the device on the tensors, but its first use imports ``torch._dynamo``: 1.3-3.5 s.)
 """
 from __future__ import annotations
 
@@ -17,7 +12,6 @@ import contextvars
 import torch
 
 _expected: contextvars.ContextVar = contextvars.ContextVar("lik_expected_backward", default=None)
-_dry_device: contextvars.ContextVar = contextvars.ContextVar("lik_dry_run_device", default=None)
 
 
 def expect(backward, args: tuple, step=None):
@@ -47,16 +41,3 @@ def take():
     expected[0] = None
     return taken
 
-
-def dry_run_device() -> torch.device | None:
-    """The device a dry run on ``meta`` tensors stands for; None outside a dry run."""
-    return _dry_device.get()
-
-
-def set_dry_run_device(device: torch.device | None):
-    """Returns the token :func:`reset_dry_run_device` takes."""
-    return _dry_device.set(device)
-
-
-def reset_dry_run_device(token) -> None:
-    _dry_device.reset(token)

@@ -10,9 +10,9 @@ backward's.  One after another that is most of a cold loop's first step
 How: around a forward that will need a gradient, the op layer names the backward call to
 expect (``kernels/expected.py``).  If the forward launch finds no binary for itself
 (``direct.launch``'s compile path: a new process, or lengths in a new bucket), that launch
-first *fires* the expectation: the backward runs once on ``meta`` tensors (shapes, dtypes
-and strides; no memory, no GPU work; routed as the real device's, ``kernels/expected.py``)
-with every Triton launch *recorded* instead of made; each recorded launch is handed to a thread that compiles it
+first *fires* the expectation: the backward's launch code runs once -- its allocations and
+small torch operations on the device, the call's own tensors as inputs -- with every
+Triton launch *recorded* instead of made; each recorded launch is handed to a thread that compiles it
 (``JITFunction.warmup``: the JIT's own specialisation and cache, nothing launched).  The
 real backward's launch then waits for that thread (:func:`wait`) instead of compiling the
 same binary again, and finds it in the JIT's cache.
@@ -21,7 +21,14 @@ Nothing here can change a result: a prediction that misses (a gradient with othe
 than the one expected, an unaligned tensor) only means the real launch compiles its own
 binary, as it would have without this module; a failed dry run or background compile is
 ignored the same way.  ``LIK_COMPILE_AHEAD=0`` turns it off.  The dry run costs about a
-millisecond of host time and happens only on a forward compile, never on a warm call.
+millisecond of host time and happens only on a forward compile, never on a warm call; it
+allocates what the backward will allocate (the caching allocator then hands the same
+blocks to the real backward) and writes only into those.
+
+Why not on ``meta`` or fake tensors, which would need no memory: their first use imports
+the Python meta registrations (sympy) and, for a norm or ``FakeTensorMode``,
+``torch._dynamo`` -- 2.5-3.5 s of a first step on the H100 machine, measured, more than
+the compiles this saves.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ import torch
 import triton
 
 from ..._config import compile_ahead_enabled
-from ..expected import reset_dry_run_device, set_dry_run_device, take
+from ..expected import take
 
 # Enough threads for a backward's two or three kernels beside the forward compiling in
 # the caller's thread; more would contend for the GIL's Python parts of the compiler.
@@ -63,14 +70,13 @@ def recording() -> list | None:
 
 
 @contextlib.contextmanager
-def _dry_running(device: torch.device):
-    """Record launches instead of making them, routing ``meta`` tensors as ``device``'s."""
+def _recording_launches():
+    """Record Triton launches instead of making them."""
     launches: list = []
-    token, device_token = _recorded.set(launches), set_dry_run_device(device)
+    token = _recorded.set(launches)
     try:
         yield launches
     finally:
-        reset_dry_run_device(device_token)
         _recorded.reset(token)
 
 
@@ -78,17 +84,11 @@ def _device_of(args) -> torch.device:
     return next(a.device for a in args if isinstance(a, torch.Tensor))
 
 
-def _as_meta(args) -> tuple:
-    return tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
-                 if isinstance(a, torch.Tensor) else a for a in args)
-
-
 def dry_run(fn, *args) -> list:
-    """``fn(*args)`` on ``meta`` copies of the tensors in ``args``, routed as the real
-    tensors' device: the ``(kernel, grid, args, meta)`` of every launch it would make, in
-    order (with ``meta`` tensors in ``args``)."""
-    with _dry_running(_device_of(args)) as launches:
-        fn(*_as_meta(args))
+    """``fn(*args)`` with every Triton launch recorded instead of made: the ``(kernel, grid,
+    args, meta)`` of each, in order."""
+    with _recording_launches() as launches:
+        fn(*args)
     return launches
 
 
@@ -101,12 +101,14 @@ def fire() -> None:
     if expected is None or not compile_ahead_enabled():
         return
     backward, args, step = expected
+    device = _device_of(args)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return      # nothing to compile (interpreter), or a CUDA graph would capture the dry run
     try:
-        device = _device_of(args)
         start(dry_run(backward, *args), device)
         if step is not None:
             _speculate(step, args, device)
-    except Exception:   # best effort: the real calls compile what they need themselves
+    except Exception:   # out of memory, say: the real calls compile what they need themselves
         return
 
 
@@ -145,14 +147,14 @@ def guesses(seen: set) -> list[tuple[int, int]]:
 def _resized(args: tuple, lq: int, ld: int) -> tuple:
     """``args`` -- queries ``[.., Lq, d]`` first, documents ``[.., Ld, d]`` second, then, where
     they are tensors, the query mask ``[.., Lq]`` and the document mask ``[.., Ld]`` -- with
-    query length ``lq`` and document length ``ld``, as ``meta`` tensors."""
+    query length ``lq`` and document length ``ld`` (new, uninitialised tensors)."""
     out = list(args)
     for i, (dim, length) in enumerate(((-2, lq), (-2, ld), (-1, lq), (-1, ld))):
         a = args[i] if i < len(args) else None
         if isinstance(a, torch.Tensor):
             shape = list(a.shape)
             shape[dim] = length
-            out[i] = torch.empty(shape, dtype=a.dtype, device="meta")
+            out[i] = torch.empty(shape, dtype=a.dtype, device=a.device)
     return tuple(out)
 
 
@@ -161,8 +163,9 @@ def _speculate(step, args, device: torch.device) -> None:
     queries of varying length) reach a new bucket now and then, and its compile stalls that
     step for a second or two -- late in a run, when nothing else does.  So once a family's
     compiles have fired at two different lengths, every bucket between them and the powers
-    of two around them is dry-run (``step``: forward and backward; ~2 ms each) and compiled
-    in the background, after the binaries the caller needs now."""
+    of two around them is dry-run (``step``: forward and backward, on new tensors of those
+    lengths; ~2 ms each) and compiled in the background, after the binaries the caller needs
+    now."""
     Q, D = args[0], args[1]
     if not (isinstance(Q, torch.Tensor) and isinstance(D, torch.Tensor)) or Q.dim() != 3:
         return
@@ -177,14 +180,13 @@ def _speculate(step, args, device: torch.device) -> None:
     guessed.update(todo)
     launches: list = []
     for lq, ld in todo:
-        with _dry_running(device) as recorded:
-            step(*_resized(args, lq, ld))
-        launches += recorded
+        launches += dry_run(step, *_resized(args, lq, ld))
     start(launches, device)
 
 
 def _mock(arg):
-    # a tensor as Triton's warm-up takes it: its dtype (an aligned mock pointer)
+    # a tensor as Triton's warm-up takes it: its dtype (an aligned mock pointer; an
+    # unaligned real tensor makes its own binary, in the caller's thread)
     return arg.dtype if isinstance(arg, torch.Tensor) else arg
 
 
@@ -200,7 +202,7 @@ def start(launches: list, device: torch.device) -> None:
     for kernel, _, args, meta in launches:
         if type(kernel) is not triton.runtime.JITFunction:   # interpreter, autotuner: nothing to warm
             continue
-        key = variant(kernel, args, meta, fake=True)
+        key = variant(kernel, args, meta)
         if key in _asked or key in launched():
             continue
         _asked.add(key)

@@ -48,7 +48,7 @@ MAX_PLANS = 4096
 _plans: dict = {}
 
 
-def _feature(arg, specialized: bool = True, fake: bool = False):
+def _feature(arg, specialized: bool = True):
     kind = type(arg)
     if kind is int:
         fits = -0x80000000 <= arg <= 0x7FFFFFFF
@@ -56,8 +56,7 @@ def _feature(arg, specialized: bool = True, fake: bool = False):
     if kind is bool or arg is None:
         return (kind, arg)
     if isinstance(arg, torch.Tensor):
-        # a dry run's meta tensor (ahead.py) has no address: it stands for an aligned one
-        return (arg.dtype, fake or arg.data_ptr() % 16 == 0)
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
     return (kind,)
 
 
@@ -84,16 +83,15 @@ def specialized_args(kernel) -> tuple[bool, ...]:
     return flags
 
 
-def signature(kernel, args: tuple, fake: bool = False) -> tuple:
-    """What Triton specialises ``kernel`` on in ``args`` (``fake``: a dry run's tensors, without
-    an address)."""
+def signature(kernel, args: tuple) -> tuple:
+    """What Triton specialises ``kernel`` on in ``args``."""
     flags = specialized_args(kernel)
-    return tuple(_feature(a, flags[i] if i < len(flags) else True, fake) for i, a in enumerate(args))
+    return tuple(_feature(a, flags[i] if i < len(flags) else True) for i, a in enumerate(args))
 
 
-def variant(kernel, args: tuple, meta: dict, fake: bool = False) -> tuple:
+def variant(kernel, args: tuple, meta: dict) -> tuple:
     """The binary a launch needs: kernel name, constexprs and warps, argument features."""
-    return (_kernel_name(kernel), tuple(sorted(meta.items())), signature(kernel, args, fake))
+    return (_kernel_name(kernel), tuple(sorted(meta.items())), signature(kernel, args))
 
 
 # (kernel name, meta, argument signature) of every launch: the binaries the calls needed.
