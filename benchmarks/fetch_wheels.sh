@@ -17,6 +17,9 @@ WHEELS=(
   tokenizers==0.22.2                # transformers 5.3.0 wants >=0.22.0,<=0.23.0
   ujson==5.12.0
   fastkmeans==0.5.0
+  datasets==5.2.0                   # PyLate's training imports it; the image has pyarrow, fsspec, xxhash
+  dill==0.4.1
+  multiprocess==0.70.19
 )
 for spec in "${WHEELS[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

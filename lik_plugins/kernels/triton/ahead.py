@@ -195,7 +195,6 @@ def start(launches: list, device: torch.device) -> None:
     once per process)."""
     from .direct import launched, variant
 
-    global _pool
     if device.type != "cuda":
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -206,14 +205,21 @@ def start(launches: list, device: torch.device) -> None:
         if key in _asked or key in launched():
             continue
         _asked.add(key)
-        # the JIT's per-device cache is created lazily by a defaultdict: create it here, in
-        # one thread, so a worker's binary lands in the table the caller will look in
-        kernel.device_caches[index]
-        if _pool is None:
-            with _pool_lock:
-                if _pool is None:
-                    _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="lik-compile")
-        _pending[key] = _pool.submit(_compile, kernel, index, tuple(_mock(a) for a in args), dict(meta))
+        _pending[key] = compile_later(kernel, index, tuple(_mock(a) for a in args), dict(meta))
+
+
+def compile_later(kernel, device_index: int, args: tuple, meta: dict) -> Future:
+    """Compile ``kernel`` for ``args`` as Triton's warm-up takes them (tensors as dtypes) in
+    a background thread; the binary lands in the JIT's cache for device ``device_index``."""
+    global _pool
+    # the JIT's per-device cache is created lazily by a defaultdict: create it here, in
+    # one thread, so a worker's binary lands in the table the caller will look in
+    kernel.device_caches[device_index]
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="lik-compile")
+    return _pool.submit(_compile, kernel, device_index, args, meta)
 
 
 def _compile(kernel, device_index, args, meta):
