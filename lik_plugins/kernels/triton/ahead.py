@@ -45,6 +45,9 @@ from ..expected import take
 
 # Enough threads for a backward's two or three kernels beside the forward compiling in
 # the caller's thread; more would contend for the GIL's Python parts of the compiler.
+# Guessed lengths (:func:`_speculate`) compile one at a time in a thread of their own:
+# never ahead of a binary a call is waiting for, and with less of the GIL taken from the
+# training loop meanwhile.
 WORKERS = 3
 # Document lengths are bucketed on multiples of this (tile widths, the tuner's size
 # classes); the guesses of :func:`_speculate` sit on both sides of each boundary.
@@ -52,7 +55,7 @@ LD_STEP = 64
 
 _recorded: contextvars.ContextVar = contextvars.ContextVar("lik_recorded_launches", default=None)
 
-_pool: ThreadPoolExecutor | None = None
+_pools: dict = {}
 _pool_lock = threading.Lock()
 # variant (direct.variant) -> the future of its background compile, until waited for
 _pending: dict = {}
@@ -181,7 +184,7 @@ def _speculate(step, args, device: torch.device) -> None:
     launches: list = []
     for lq, ld in todo:
         launches += dry_run(step, *_resized(args, lq, ld))
-    start(launches, device)
+    start(launches, device, guessed=True)
 
 
 def _mock(arg):
@@ -190,9 +193,9 @@ def _mock(arg):
     return arg.dtype if isinstance(arg, torch.Tensor) else arg
 
 
-def start(launches: list, device: torch.device) -> None:
+def start(launches: list, device: torch.device, guessed: bool = False) -> None:
     """Compile every recorded launch's binary in the background for ``device`` (each one
-    once per process)."""
+    once per process); ``guessed``: in the guesses' own thread."""
     from .direct import launched, variant
 
     if device.type != "cuda":
@@ -205,21 +208,23 @@ def start(launches: list, device: torch.device) -> None:
         if key in _asked or key in launched():
             continue
         _asked.add(key)
-        _pending[key] = compile_later(kernel, index, tuple(_mock(a) for a in args), dict(meta))
+        _pending[key] = compile_later(kernel, index, tuple(_mock(a) for a in args), dict(meta), guessed)
 
 
-def compile_later(kernel, device_index: int, args: tuple, meta: dict) -> Future:
+def compile_later(kernel, device_index: int, args: tuple, meta: dict, guessed: bool = False) -> Future:
     """Compile ``kernel`` for ``args`` as Triton's warm-up takes them (tensors as dtypes) in
     a background thread; the binary lands in the JIT's cache for device ``device_index``."""
-    global _pool
     # the JIT's per-device cache is created lazily by a defaultdict: create it here, in
     # one thread, so a worker's binary lands in the table the caller will look in
     kernel.device_caches[device_index]
-    if _pool is None:
+    pool = _pools.get(guessed)
+    if pool is None:
         with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="lik-compile")
-    return _pool.submit(_compile, kernel, device_index, args, meta)
+            pool = _pools.get(guessed)
+            if pool is None:
+                pool = _pools[guessed] = ThreadPoolExecutor(
+                    1 if guessed else WORKERS, thread_name_prefix="lik-compile-guess" if guessed else "lik-compile")
+    return pool.submit(_compile, kernel, device_index, args, meta)
 
 
 def _compile(kernel, device_index, args, meta):
