@@ -1,7 +1,7 @@
 """The loops users run, from a cold start: first step, first 10 steps, steady steps.
 
     python benchmarks/real_loop.py OUT_DIR [--loops fixed,vary-colbert,vary-colpali,pylate] [--impls ...]
-                                           [--steps 80] [--compile] [--warm]
+                                           [--steps 80] [--compile] [--warm] [--repeats N]
 
 Every (loop, implementation, compile) cell runs in a fresh Python process with an empty
 ``TRITON_CACHE_DIR``, so its first steps pay everything a new node pays: imports, Triton
@@ -223,7 +223,29 @@ def markdown(rows, meta) -> str:
         out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | {r['first_step_s']:.2f} | "
                    f"{r['first10_s']:.2f} | {r['steady_median_ms']:.3f} | {r['steady_max_ms']:.2f} | "
                    f"{r['spikes_over_20x']} | {compiled} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + _spread(rows)) + "\n"
+
+
+def _spread(rows) -> list[str]:
+    """Median [min-max] over the repeats of each cell (nothing when every cell ran once)."""
+    cells: dict = {}
+    for r in rows:
+        if "error" not in r:
+            cells.setdefault((r["loop"], r["compile"], r["cache"], r["impl"]), []).append(r)
+    if all(len(v) < 2 for v in cells.values()):
+        return []
+
+    def spread(values, fmt):
+        return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+    out = ["", "Over the repeats: median [min-max].", "",
+           "| loop | compile | cache | implementation | runs | first step (s) | first 10 steps (s) "
+           "| steady median (ms) | steps > 20x median (total) |", "|---|---|---|---|---|---|---|---|---|"]
+    for (loop, compile_, cache, impl), rs in cells.items():
+        out.append(f"| {loop} | {compile_} | {cache} | {impl} | {len(rs)} | "
+                   f"{spread([r['first_step_s'] for r in rs], '.2f')} | {spread([r['first10_s'] for r in rs], '.2f')} | "
+                   f"{spread([r['steady_median_ms'] for r in rs], '.3f')} | {sum(r['spikes_over_20x'] for r in rs)} |")
+    return out
 
 
 def environment() -> dict:
@@ -257,6 +279,8 @@ def main() -> int:
     p.add_argument("--compile-only", action="store_true", help="only the torch.compile cells")
     p.add_argument("--warm", action="store_true", help="also run every cell again on its filled Triton cache")
     p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every cell this many times (fresh caches); the Markdown adds median [min-max]")
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--loop", choices=LOOPS)
     p.add_argument("--impl", choices=IMPLS + EXTRA_IMPLS)
@@ -272,17 +296,21 @@ def main() -> int:
         for compile_ in ([True] if args.compile_only else [False, True] if args.compile else [False]):
             if compile_ and loop == "pylate":
                 continue  # the encoder under torch.compile is the encoder's story, not ours
-            for impl in args.impls.split(","):
-                with tempfile.TemporaryDirectory() as cache:
-                    labels = ["cold", "warm"] if args.warm else ["cold"]
-                    for label in labels:
-                        row = _spawn(loop, impl, compile_, cache, label, args.steps, args.timeout)
-                        rows.append(row)
-                        print(json.dumps({k: v for k, v in row.items() if k != "variants"}), flush=True)
-                        with open(os.path.join(args.out_dir, "real_loop.json"), "w") as fh:
-                            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-                        with open(os.path.join(args.out_dir, "real_loop.md"), "w") as fh:
-                            fh.write(markdown(rows, meta))
+            # repeats interleave the implementations, so a drift of the host hits them alike
+            for repeat in range(args.repeats):
+                for impl in args.impls.split(","):
+                    with tempfile.TemporaryDirectory() as cache:
+                        labels = ["cold", "warm"] if args.warm else ["cold"]
+                        for label in labels:
+                            row = _spawn(loop, impl, compile_, cache, label, args.steps, args.timeout)
+                            row["repeat"] = repeat
+                            rows.append(row)
+                            print(json.dumps({k: v for k, v in row.items() if k not in ("variants", "compiles")}),
+                                  flush=True)
+                            with open(os.path.join(args.out_dir, "real_loop.json"), "w") as fh:
+                                json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+                            with open(os.path.join(args.out_dir, "real_loop.md"), "w") as fh:
+                                fh.write(markdown(rows, meta))
     return 0
 
 
