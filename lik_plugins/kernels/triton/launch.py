@@ -18,7 +18,9 @@ presence and option set, the binaries a kernel needs are bounded by its buckets:
 :data:`MAX_VARIANTS_PER_KERNEL` is the bound the tests hold a sweep of lengths to
 (``tests/kernel_paths/test_shape_stability.py``).  Host-side plans are cached per exact
 geometry (the fast path of a repeated shape); a new length builds its plan (tens of
-microseconds) and replays the binary its bucket already has (``direct.py``).
+microseconds) and replays the binary its bucket already has (``direct.py``).  The binaries
+compiled ahead for guessed lengths (``ahead.py``) are these buckets' too: compiling ahead
+changes when a binary is built, not how many there can be.
 """
 from __future__ import annotations
 
