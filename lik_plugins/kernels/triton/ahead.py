@@ -133,15 +133,18 @@ def _pow2_ceil(n: int) -> int:
 
 def guesses(seen: set) -> list[tuple[int, int]]:
     """The (Lq, Ld) worth compiling for once lengths ``seen`` have changed: every length
-    bucket between the powers of two around the seen ones.  Query lengths bucket on powers
-    of two (rows per program); document lengths on powers of two and multiples of
-    :data:`LD_STEP`.  One length that never changed guesses nothing along its axis."""
+    bucket around the seen ones.  Query lengths bucket on powers of two (rows per program):
+    guesses between the powers of two around the seen ones; document lengths on powers of
+    two and multiples of :data:`LD_STEP`: guesses from the power of two below the shortest
+    to the multiple of :data:`LD_STEP` above the longest.  One length that never changed
+    guesses nothing along its axis."""
     lqs, lds = {q for q, _ in seen}, {d for _, d in seen}
     if len(lqs) > 1:
         lo, hi = _pow2_floor(min(lqs)), _pow2_ceil(max(lqs))
         lqs = _bucket_edges(lo, hi, [1 << k for k in range(hi.bit_length())])
     if len(lds) > 1:
-        lo, hi = _pow2_floor(min(lds)), _pow2_ceil(max(lds))
+        # up to the next multiple of LD_STEP only: a guess allocates documents of its length
+        lo, hi = _pow2_floor(min(lds)), -(-max(lds) // LD_STEP) * LD_STEP
         lds = _bucket_edges(lo, hi, sorted({1 << k for k in range(hi.bit_length())} | set(range(LD_STEP, hi + 1,
                                                                                               LD_STEP))))
     return [(q, d) for q in sorted(lqs) for d in sorted(lds)]
