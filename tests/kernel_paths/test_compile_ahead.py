@@ -144,3 +144,30 @@ def test_guessed_lengths_cover_every_binary_of_a_sweep(monkeypatch, layout):
     needed = set().union(*(binaries(lq, ld) for lq in range(8, 33, 3) for ld in range(60, 301, 11)))
     guessed = set().union(*(binaries(lq, ld) for lq, ld in ahead.guesses({(12, 100), (25, 250)})))
     assert len(needed) >= 3 and needed <= guessed
+
+
+def test_queued_compiles_do_not_hold_up_the_exit(tmp_path):
+    """A short script that queued many background compiles ends after the running one, not
+    after the whole queue (the executors' exit hook runs every queued item)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "many_compiles.py"
+    script.write_text(
+        "import time\n"
+        "from lik_plugins.kernels.triton import ahead\n"
+        "ahead._compile = lambda *args: time.sleep(1.0)\n"
+        "class Kernel:\n"
+        "    device_caches = {0: None}\n"
+        "futures = [ahead.compile_later(Kernel(), 0, (), {}, guessed=True) for _ in range(12)]\n"
+        "time.sleep(0.2)\n"
+        "print('queued', sum(not f.done() for f in futures))\n")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ))
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "queued 12" in done.stdout
+    assert elapsed < 8, elapsed          # twelve queued seconds would be > 12

@@ -225,9 +225,31 @@ def compile_later(kernel, device_index: int, args: tuple, meta: dict, guessed: b
         with _pool_lock:
             pool = _pools.get(guessed)
             if pool is None:
+                if not _pools:
+                    _cancel_at_exit()
                 pool = _pools[guessed] = ThreadPoolExecutor(
                     1 if guessed else WORKERS, thread_name_prefix="lik-compile-guess" if guessed else "lik-compile")
     return pool.submit(_compile, kernel, device_index, args, meta)
+
+
+def _cancel_at_exit() -> None:
+    """At interpreter exit, drop the compiles not started yet: the executors' own exit hook
+    would otherwise run every queued guess before the process could end (seconds each).
+    Registered after ``concurrent.futures``' hook, so it runs before it (they run in reverse)."""
+    def cancel():
+        for pool in list(_pools.values()):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    register = getattr(threading, "_register_atexit", None)   # CPython 3.9+: before thread joins
+    if register is not None:
+        try:
+            register(cancel)
+            return
+        except RuntimeError:   # already shutting down
+            return
+    import atexit
+
+    atexit.register(cancel)
 
 
 def _compile(kernel, device_index, args, meta):
