@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|realloop|fidelity|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|realloop|coldstart|fidelity|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
-#   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on).
+#   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
+#   coldstart = compile-ahead's GPU test and its A/B (kernel loops, PyLate twice), one call.
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e.
 # A cold machine compiles every specialisation: the suite took ~9 minutes in one process, so
 # `tests` runs it as GPU_TEST_SHARDS (default 3) parallel pytest shards; with a 10-minute
@@ -60,6 +61,17 @@ fi
 if [[ $stage == realloop ]]; then
   host_env
   python3 benchmarks/real_loop.py "$OUT" "$@" 2>&1 | tail -60
+fi
+if [[ $stage == coldstart ]]; then
+  # compile-ahead's GPU test, then its A/B in the kernel loops and (twice, interleaved) in PyLate's
+  host_env
+  timeout 120 python3 -m pytest -q tests/gpu/test_compile_ahead_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  mkdir -p "$OUT/kernel_loops" "$OUT/pylate"
+  timeout 300 python3 benchmarks/real_loop.py "$OUT/kernel_loops" --loops fixed,vary-colbert,vary-colpali \
+    --impls lik_plugins,lik_plugins-serial,late-interaction-kernels --steps 60 --warm --timeout 90 2>&1 | grep -v '^{'
+  timeout 200 python3 benchmarks/real_loop.py "$OUT/pylate" --loops pylate \
+    --impls lik_plugins,lik_plugins-serial,late-interaction-kernels --steps 12 --repeats 2 --timeout 60 2>&1 \
+    | grep -v '^{'
 fi
 
 if [[ $stage == fidelity || $stage == all ]]; then
