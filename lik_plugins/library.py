@@ -218,8 +218,8 @@ class _MaxSim(torch.autograd.Function):
 
 
 def _maxsim_backward_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d):
-    # run on fake tensors (kernels/triton/ahead.py): the saved winners and the incoming
-    # gradient as the forward's fake kernel shapes them
+    # a dry run (kernels/triton/ahead.py): the saved winners and the incoming gradient,
+    # uninitialised, as the forward's fake kernel shapes them
     scores, argmax = _maxsim_forward_fake(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, "")
     maxsim_backward(torch.empty_like(scores), Q, D, argmax, layout, normalize, strategy, need_q, need_d,
                     q_mask is not None)

@@ -168,10 +168,9 @@ def _speculate(step, args, device: torch.device) -> None:
     """Lengths that change from call to call (documents padded to each batch's longest,
     queries of varying length) reach a new bucket now and then, and its compile stalls that
     step for a second or two -- late in a run, when nothing else does.  So once a family's
-    compiles have fired at two different lengths, every bucket between them and the powers
-    of two around them is dry-run (``step``: forward and backward, on new tensors of those
-    lengths; ~2 ms each) and compiled in the background, after the binaries the caller needs
-    now."""
+    compiles have fired at two different lengths, every bucket around them (:func:`guesses`)
+    is dry-run (``step``: forward and backward, on new tensors of those lengths; ~2 ms each)
+    and compiled in the background, after the binaries the caller needs now."""
     Q, D = args[0], args[1]
     if not (isinstance(Q, torch.Tensor) and isinstance(D, torch.Tensor)) or Q.dim() != 3:
         return
@@ -268,8 +267,3 @@ def wait(key) -> None:
         future.result()
     except Exception:   # the caller's own compile reports any real error
         pass
-
-
-def pending() -> int:
-    """Background compiles not finished yet (for tests and benchmarks)."""
-    return sum(not f.done() for f in list(_pending.values()))
