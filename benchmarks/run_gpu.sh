@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|realloop|coldstart|fidelity|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|realloop|coldstart|multigpu|fidelity|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
-#   coldstart = compile-ahead's GPU test and its A/B (kernel loops, PyLate twice), one call.
+#   coldstart = compile-ahead's GPU test and its A/B (kernel loops, PyLate twice), one call;
+#   multigpu = benchmarks/multi_gpu.py over every GPU of the machine (NCCL, multicast off; options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e.
 # A cold machine compiles every specialisation: the suite took ~9 minutes in one process, so
 # `tests` runs it as GPU_TEST_SHARDS (default 3) parallel pytest shards; with a 10-minute
@@ -72,6 +73,13 @@ if [[ $stage == coldstart ]]; then
   timeout 200 python3 benchmarks/real_loop.py "$OUT/pylate" --loops pylate \
     --impls lik_plugins,lik_plugins-serial,late-interaction-kernels --steps 12 --repeats 2 --timeout 60 2>&1 \
     | grep -v '^{'
+fi
+if [[ $stage == multigpu ]]; then
+  # NVLink multicast stays off in every process (NCCL, PyTorch symmetric memory, NVSHMEM)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  host_env
+  nvidia-smi topo -m | tee "$OUT/topology.txt"
+  timeout 570 python3 benchmarks/multi_gpu.py "$OUT/multi_gpu" "$@" 2>&1 | grep -v Warning | grep -v 'all_gather(' | tail -40
 fi
 
 if [[ $stage == fidelity || $stage == all ]]; then
