@@ -25,10 +25,11 @@ Gradients are averaged over ranks after each backward (see ``Workload``).  Per m
    GEMMs, attention backward) and patched, each one's relative L2 gradient error against
    the fp32 oracle -- the bar of ``tests/*/gpu_parity.py``: patched no further from it than
    about the host's own bf16 step.  Loss on every rank, every rank's routing counts;
-2. scaling: per variant, the batch per GPU doubles from ``--start-batch`` until out of
-   memory (caught; every rank agrees before moving on), each size 1 warm-up + ``--steps``
-   timed steps: median step time (slowest rank), peak memory (largest rank), largest batch
-   that fit.
+2. scaling: the batch per GPU doubles from ``--start-batch`` until a variant runs out of
+   memory (caught; every rank agrees before moving on).  At each size the variants take
+   ``--rounds`` turns in ABBA order, each 1 warm-up + ``--steps`` timed steps: median step
+   time (slowest rank) with the spread of the per-round ratios, peak memory (largest rank),
+   Triton compiles during timed steps, largest batch that fit.
 
 Vanilla = host unpatched with ``PYLATE_SCORES_BACKEND=torch`` / ``COLPALI_SCORES_BACKEND=torch``
 (their own einsum path); patched = ``patch_pylate()`` / ``patch_colpali_engine()``, variables
@@ -295,7 +296,23 @@ def parity(model_name, work: Workload, batch: int, seed: int) -> dict:
     return {"batch_per_rank": batch, "ranks": every}
 
 
+COMPILES: list = []  # every Triton compile in this process (any thread): kernel name, cache hit
+
+
+def listen_to_compiles() -> None:
+    import triton
+
+    def listen(*, src, metadata, metadata_group, times, cache_hit):
+        COMPILES.append((getattr(src, "name", str(src)), bool(cache_hit)))
+
+    if getattr(getattr(triton, "knobs", None), "compilation", None) is not None:
+        triton.knobs.compilation.listener = listen
+
+
 def timed_trial(model_name, variant, work: Workload, batch: int, steps: int, device, seed: int) -> dict:
+    """One variant at one batch size: a warm-up step, then ``steps`` timed steps.  Returns the
+    merged row: per-step times of the slowest rank, peak memory of the largest rank, and the
+    Triton compiles that happened during the timed steps (summed over ranks)."""
     set_variant(model_name, variant)
     lik_plugins.reset_routing_counts()
     work.reset()
@@ -307,6 +324,7 @@ def timed_trial(model_name, variant, work: Workload, batch: int, steps: int, dev
         if device.type == "cuda":
             gc.collect()
             torch.cuda.reset_peak_memory_stats(device)
+        compiled_before = len(COMPILES)
         times = []
         for i in range(steps):
             sync(device)
@@ -314,7 +332,8 @@ def timed_trial(model_name, variant, work: Workload, batch: int, steps: int, dev
             work.step(batch, seed + 1 + i)
             sync(device)
             times.append(time.perf_counter() - t0)
-        row["step_ms"] = 1e3 * statistics.median(times)
+        row["times_ms"] = [1e3 * t for t in times]
+        row["compiles_timed"] = len(COMPILES) - compiled_before
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     except torch.cuda.OutOfMemoryError as exc:
         oom = str(exc).splitlines()[0][:200]
@@ -329,12 +348,61 @@ def timed_trial(model_name, variant, work: Workload, batch: int, steps: int, dev
     merged = {"variant": variant, "batch_per_rank": batch, "status": "oom" if int(flag) else "ok",
               "routing_rank0": every[0]["routing"]}
     if not int(flag):
-        merged["step_ms"] = max(r["step_ms"] for r in every)  # the slowest rank sets the pace
+        # the slowest rank sets the pace of every step
+        merged["times_ms"] = [max(r["times_ms"][i] for r in every) for i in range(steps)]
+        merged["compiles_timed"] = sum(r["compiles_timed"] for r in every)
         peaks = [r["peak_gib"] for r in every if r["peak_gib"] is not None]
         merged["peak_gib"] = max(peaks) if peaks else None
     elif oom:
         merged["error"] = oom
     return merged
+
+
+def merge_rounds(trials: list) -> dict:
+    """One variant's rounds at one batch size: the median over every timed step, each round's
+    median (their spread is the run-to-run noise), the largest peak, the compiles."""
+    ok = [t for t in trials if t["status"] == "ok"]
+    row = {"variant": trials[0]["variant"], "batch_per_rank": trials[0]["batch_per_rank"],
+           "status": "ok" if len(ok) == len(trials) else "oom", "routing_rank0": trials[-1]["routing_rank0"]}
+    if ok:
+        row["step_ms"] = statistics.median([t for r in ok for t in r["times_ms"]])
+        row["round_ms"] = [statistics.median(r["times_ms"]) for r in ok]
+        row["compiles_timed"] = sum(r["compiles_timed"] for r in ok)
+        row["peak_gib"] = max((r["peak_gib"] for r in ok if r["peak_gib"] is not None), default=None)
+    if row["status"] != "ok":
+        row["error"] = next((t.get("error") for t in trials if t["status"] != "ok"), None)
+    return row
+
+
+def scale(name, work: Workload, args, device, seed: int, deadline: float, record) -> tuple[dict, dict]:
+    """Double the batch per GPU until a variant runs out of memory.  At each size the variants
+    take turns, ``--rounds`` times (ABBA order), so drift on the machine falls on both alike;
+    ``record(row)`` is called with each merged row."""
+    largest, stop = {}, {}
+    batch = args.start_batch
+    while True:
+        alive = [v for v in VARIANTS if v not in stop]
+        if not alive:
+            break
+        if batch > args.max_batch or time.time() > deadline:
+            for v in alive:
+                stop[v] = f"--max-batch {args.max_batch}" if batch > args.max_batch else "time budget"
+            break
+        trials = {v: [] for v in alive}
+        for r in range(args.rounds):
+            for v in (alive if r % 2 == 0 else alive[::-1]):
+                if trials[v] and trials[v][-1]["status"] != "ok":
+                    continue
+                trials[v].append(timed_trial(name, v, work, batch, args.steps, device, seed + 100 * r))
+        for v in alive:
+            row = merge_rounds(trials[v])
+            record(row)
+            if row["status"] != "ok":
+                stop[v] = "out of memory"
+            else:
+                largest[v] = batch
+        batch *= 2
+    return largest, stop
 
 
 # --------------------------------------------------------------------------- report
@@ -372,8 +440,12 @@ def write_reports(out_dir: Path, data: dict) -> None:
         rows = m.get("scaling", [])
         if rows:
             by = {(r["variant"], r["batch_per_rank"]): r for r in rows}
-            lines += ["| batch / GPU | vanilla ms | patched ms | speed-up | vanilla peak GiB | patched peak GiB |",
-                      "|---:|---:|---:|---:|---:|---:|"]
+            lines += ["Step time: median over every timed step of every round (slowest rank); speed-up: median of "
+                      "the per-round ratios vanilla / patched, their range in brackets; compiles = Triton compiles "
+                      "during timed steps (all ranks).", "",
+                      "| batch / GPU | vanilla ms | patched ms | speed-up [per-round range] | vanilla peak GiB | "
+                      "patched peak GiB | compiles vanilla / patched |",
+                      "|---:|---:|---:|---:|---:|---:|---:|"]
 
             def cell(r, key, fmt):
                 if not r:
@@ -384,9 +456,14 @@ def write_reports(out_dir: Path, data: dict) -> None:
 
             for b in sorted({r["batch_per_rank"] for r in rows}):
                 v, q = by.get(("vanilla", b)), by.get(("patched", b))
-                speed = (f"{v['step_ms'] / q['step_ms']:.2f}x" if v and q and v["status"] == q["status"] == "ok" else "-")
+                speed = "-"
+                if v and q and v["status"] == q["status"] == "ok":
+                    per_round = [a / c for a, c in zip(v["round_ms"], q["round_ms"])]
+                    spread = f" [{min(per_round):.2f}-{max(per_round):.2f}]" if len(per_round) > 1 else ""
+                    speed = f"{statistics.median(per_round):.2f}x{spread}"
                 lines.append(f"| {b} | {cell(v, 'step_ms', '.1f')} | {cell(q, 'step_ms', '.1f')} | {speed} | "
-                             f"{cell(v, 'peak_gib', '.2f')} | {cell(q, 'peak_gib', '.2f')} |")
+                             f"{cell(v, 'peak_gib', '.2f')} | {cell(q, 'peak_gib', '.2f')} | "
+                             f"{cell(v, 'compiles_timed', 'd')} / {cell(q, 'compiles_timed', 'd')} |")
             largest = m.get("largest_batch_per_rank", {})
             lines += ["", f"Largest batch per GPU that fit: vanilla {largest.get('vanilla')}, "
                           f"patched {largest.get('patched')} (doubling stopped by: "
@@ -412,35 +489,27 @@ def worker(args) -> None:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_reports(out_dir, data)
 
-    for name in args.models.split(","):
+    models = args.models.split(",")
+    listen_to_compiles()
+    for index, name in enumerate(models):
         seed = 1000 * rank  # different data on every rank
         t0 = time.time()
         work, shape = WORKLOADS[name](args, device)
         m = data["models"][name] = {"shape": shape, "build_s": time.time() - t0, "scaling": []}
         m["parity"] = parity(name, work, args.parity_batch, seed)
         save()
-        deadline = start + args.budget_s * (list(WORKLOADS).index(name) + 1) / len(args.models.split(","))
-        largest, stop = {}, {}
-        for variant in VARIANTS:
-            batch = args.start_batch
-            while True:
-                if batch > args.max_batch:
-                    stop[variant] = f"--max-batch {args.max_batch}"
-                    break
-                if time.time() > deadline:
-                    stop[variant] = "time budget"
-                    break
-                row = timed_trial(name, variant, work, batch, args.steps, device, seed)
-                m["scaling"].append(row)
-                save()
-                if rank == 0:
-                    print(f"[{name}] {variant:8s} batch/GPU {batch:5d}: {row['status']} "
-                          f"{row.get('step_ms', float('nan')):9.1f} ms  peak {row.get('peak_gib')}", flush=True)
-                if row["status"] != "ok":
-                    stop[variant] = "out of memory"
-                    break
-                largest[variant] = batch
-                batch *= 2
+        deadline = start + args.budget_s * (index + 1) / len(models)
+
+        def record(row, name=name, m=m):
+            m["scaling"].append(row)
+            save()
+            if rank == 0:
+                rounds = "/".join(f"{t:.1f}" for t in row.get("round_ms", []))
+                print(f"[{name}] {row['variant']:8s} batch/GPU {row['batch_per_rank']:5d}: {row['status']} "
+                      f"{row.get('step_ms', float('nan')):9.1f} ms (rounds {rounds}) peak {row.get('peak_gib')} "
+                      f"compiles {row.get('compiles_timed')}", flush=True)
+
+        largest, stop = scale(name, work, args, device, seed, deadline, record)
         m["largest_batch_per_rank"], m["stop"] = largest, stop
         set_variant(name, "vanilla")
         os.environ.pop(HOST_ENV[name], None)
@@ -467,7 +536,8 @@ def main(argv=None) -> int:
                    "(default 16 colbert-size runs, 4 with --tiny)")
     p.add_argument("--start-batch", type=int, default=None, help="default 8 (4 with --tiny)")
     p.add_argument("--max-batch", type=int, default=None, help="default 4096 (8 with --tiny)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per batch size, after 1 warm-up")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round, after 1 warm-up")
+    p.add_argument("--rounds", type=int, default=3, help="turns per variant at each batch size (ABBA order)")
     p.add_argument("--budget-s", type=float, default=480, help="wall-clock budget, split evenly over the models")
     p.add_argument("--attn", default="sdpa", help="ColQwen2 attn_implementation")
     p.add_argument("--collective-timeout-s", type=float, default=300)
