@@ -59,8 +59,17 @@ def direct_launch_enabled() -> bool:
     return _getenv("LIK_DIRECT_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def compile_ahead_mode() -> str:
+    """``LIK_COMPILE_AHEAD``: ``process`` (default: compile in compiler processes),
+    ``thread`` (in threads of this process) or ``off`` (0/false/no/off)."""
+    value = _getenv("LIK_COMPILE_AHEAD", "process").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    return "thread" if value in ("thread", "threads") else "process"
+
+
 def compile_ahead_enabled() -> bool:
-    return _getenv("LIK_COMPILE_AHEAD", "1").strip().lower() not in ("0", "false", "no", "off")
+    return compile_ahead_mode() != "off"
 
 
 def forced_backend() -> str:

@@ -12,10 +12,15 @@ expect (``kernels/expected.py``).  If the forward launch finds no binary for its
 (``direct.launch``'s compile path: a new process, or lengths in a new bucket), that launch
 first *fires* the expectation: the backward's launch code runs once -- its allocations and
 small torch operations on the device, the call's own tensors as inputs -- with every
-Triton launch *recorded* instead of made; each recorded launch is handed to a thread that compiles it
-(``JITFunction.warmup``: the JIT's own specialisation and cache, nothing launched).  The
-real backward's launch then waits for that thread (:func:`wait`) instead of compiling the
-same binary again, and finds it in the JIT's cache.
+Triton launch *recorded* instead of made; each recorded launch is handed to a thread that
+has it compiled.  By default the thread captures what the JIT would compile (its
+``jit_cache_hook``; nothing compiled, nothing launched), a compiler process of its own builds
+that into Triton's on-disk cache (``compile_worker.py``: the training loop's GIL is not
+shared with the compiler), and the thread loads it into the JIT's cache (a disk-cache hit).
+With ``LIK_COMPILE_AHEAD=thread`` the thread compiles it itself (``JITFunction.warmup``), as
+it also does when no compiler process can be started.  The real backward's launch then
+waits for that thread (:func:`wait`) instead of compiling the same binary again, and finds
+it in the JIT's cache.
 
 Nothing here can change a result: a prediction that misses (a gradient with other strides
 than the one expected, an unaligned tensor) only means the real launch compiles its own
@@ -34,13 +39,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import triton
 
-from ..._config import compile_ahead_enabled
+from ..._config import compile_ahead_enabled, compile_ahead_mode
 from ..expected import take
 
 # Enough threads for a backward's two or three kernels beside the forward compiling in
@@ -234,10 +241,13 @@ def compile_later(kernel, device_index: int, args: tuple, meta: dict, guessed: b
 def _cancel_at_exit() -> None:
     """At interpreter exit, drop the compiles not started yet: the executors' own exit hook
     would otherwise run every queued guess before the process could end (seconds each).
-    Registered after ``concurrent.futures``' hook, so it runs before it (they run in reverse)."""
+    Registered after ``concurrent.futures``' hook, so it runs before it (they run in reverse).
+    The compiler processes are told to end (each finishes the binary in hand)."""
     def cancel():
         for pool in list(_pools.values()):
             pool.shutdown(wait=False, cancel_futures=True)
+        for process in list(_processes):
+            process.close()
 
     register = getattr(threading, "_register_atexit", None)   # CPython 3.9+: before thread joins
     if register is not None:
@@ -253,7 +263,96 @@ def _cancel_at_exit() -> None:
 
 def _compile(kernel, device_index, args, meta):
     with torch.cuda.device(device_index):
+        if compile_ahead_mode() == "process":
+            _compile_in_process(kernel, device_index, args, meta)
+        # a load from the disk cache where the compiler process built the binary; else the compile
         kernel.warmup(*args, grid=(1,), **meta)
+
+
+# ---------------------------------------------------------------- compiler processes
+_local = threading.local()      # per compile thread: its compiler process, and a capture in progress
+_processes: list = []           # every compiler process started (closed at exit)
+_process_log: list = []         # (kernel, seconds, ok, error) of every compile sent to a process
+_hook_lock = threading.Lock()
+_hook: list = []                # [the jit_cache_hook in place before ours], once installed
+# compiler processes that died: past this many, compile in threads for the rest of the run
+MAX_DEAD_PROCESSES = 2
+_dead: list = []
+
+
+def process_compiles() -> list:
+    """``(kernel, seconds, ok, error)`` of every binary sent to a compiler process so far."""
+    return list(_process_log)
+
+
+def _capture_hook(**kwargs):
+    box = getattr(_local, "capture", None)
+    if box is not None:          # this thread asked what the JIT would compile: note it, compile nothing
+        box.append(kwargs["compile"])
+        return True
+    previous = _hook[0]
+    return previous(**kwargs) if previous else None
+
+
+def _install_hook() -> bool:
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        return False
+    with _hook_lock:
+        if not _hook:
+            _hook.append(runtime.jit_cache_hook)
+            runtime.jit_cache_hook = _capture_hook
+    return runtime.jit_cache_hook is _capture_hook
+
+
+def _request(kernel, device_index, args, meta) -> tuple | None:
+    """What the JIT would compile for this launch, as a compiler process takes it; None when
+    the JIT would compile nothing (the binary is in its cache) or the kernel cannot be
+    found by name in its module."""
+    fn = kernel.fn
+    if getattr(sys.modules.get(fn.__module__), fn.__name__, None) is not kernel or not _install_hook():
+        return None
+    _local.capture = box = []
+    try:
+        kernel.warmup(*args, grid=(1,), **meta)
+    finally:
+        _local.capture = None
+    if not box:
+        return None
+    spec = box[0]
+    target = kernel.device_caches[device_index][2]
+    return (fn.__module__, fn.__name__, kernel.cache_key, spec["signature"], spec["constants"],
+            spec["configs"][0], options_from_json(json.loads(spec["specialization_data"])["options"]), target)
+
+
+def options_from_json(options: dict) -> dict:
+    """The JIT's compile options from Triton's JSON serialisation of them (the hook's
+    ``specialization_data``): JSON turned tuples into lists, turned back here as Triton's own
+    ``preload`` does; the compiler parses the rest."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+
+def _compile_in_process(kernel, device_index, args, meta) -> None:
+    """Have this thread's compiler process build the binary into the disk cache.  Any
+    failure leaves the compile to the caller's ``warmup``, in this thread."""
+    from .compile_worker import CompilerProcess
+
+    if len(_dead) >= MAX_DEAD_PROCESSES:
+        return
+    try:
+        request = _request(kernel, device_index, args, meta)
+        if request is None:
+            return
+        process = getattr(_local, "process", None)
+        if process is None or not process.alive():
+            if process is not None:
+                _dead.append(process)
+            process = _local.process = CompilerProcess()
+            _processes.append(process)
+        ok, seconds, error = process.compile(request)
+        _process_log.append((kernel.fn.__name__, seconds, ok, error))
+    except Exception as exc:    # could not start, or send: the thread compiles
+        _process_log.append((kernel.fn.__name__, 0.0, False, f"{type(exc).__name__}: {exc}"))
 
 
 def wait(key) -> None:

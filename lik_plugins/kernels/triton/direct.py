@@ -229,9 +229,9 @@ def replay_ok() -> bool:
         # CPU, otherwise on a cold process's first step); launches take the JIT path until it
         # is ready, and while a CUDA graph captures (the check synchronises the device).
         if not _CHECK_COMPILE:
-            from .tuning import _self_check_kernel
+            from .launcher_check import self_check_kernel
 
-            _CHECK_COMPILE.append(ahead.compile_later(_self_check_kernel, torch.cuda.current_device(),
+            _CHECK_COMPILE.append(ahead.compile_later(self_check_kernel, torch.cuda.current_device(),
                                                       _CHECK_ARGS, _CHECK_META))
         if not _CHECK_COMPILE[0].done() or torch.cuda.is_current_stream_capturing():
             return False
@@ -247,14 +247,14 @@ def replay_ok() -> bool:
 
 
 def _self_check() -> bool:
-    from .tuning import _self_check_kernel
+    from .launcher_check import self_check_kernel
 
     x = torch.arange(100, device="cuda", dtype=torch.float32)
     outs = [torch.full((100,), -1.0, device="cuda") for _ in range(2)]
     n_first, n_second = _CHECK_ARGS[2], 91
     meta = _CHECK_META
-    compiled = _self_check_kernel[(2,)](x, outs[0], n_first, _CHECK_ARGS[3], **meta)
-    tail = _tail(_self_check_kernel, 4, meta)
+    compiled = self_check_kernel[(2,)](x, outs[0], n_first, _CHECK_ARGS[3], **meta)
+    tail = _tail(self_check_kernel, 4, meta)
     compiled.run(2, 1, 1, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), compiled.function,
                  compiled.packed_metadata, None, None, None, x, outs[1], n_second, 3.0, *tail)
     torch.cuda.synchronize()

@@ -320,10 +320,3 @@ def doc_kernel_and_meta(*, d_pad, n_programs_at_64, cross, f32_dot, normalize, w
         _chosen[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
 
     return _tuned_doc, {}, remember
-
-
-@triton.jit(do_not_specialize=["n"])
-def _self_check_kernel(X, OUT, n, scale, BLOCK: tl.constexpr):
-    """``OUT[i] = X[i] * scale`` for ``i < n``: the direct launcher's self-check (direct.py)."""
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(OUT + o, tl.load(X + o, mask=o < n) * scale, mask=o < n)

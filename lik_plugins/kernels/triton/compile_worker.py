@@ -1,0 +1,123 @@
+"""Triton's compiler in a process of its own, for compile ahead (``ahead.py``).
+
+Compile ahead builds the binaries a training step will need while the step runs.  In a
+thread of the training process that costs the loop: Triton's compiler holds the GIL in its
+Python stages, and a step made of many short torch calls (a PyLate step: the encoder's
+hundreds of ops) waits at every hand-off.  Measured on the H100 machine, the same binaries
+took 30-50 % longer beside PyLate's step, and the loop's first ten steps got no faster
+(``docs/performance-notes.md``).  A compiler process has a GIL of its own.
+
+The parent captures what Triton's JIT would compile -- the signature, constants and
+attributes of the specialisation, the options and the target, exactly as the JIT's
+``jit_cache_hook`` receives them -- and sends them here.  This process builds the binary
+into Triton's on-disk cache under the key the parent's JIT computes from the same inputs.
+The parent then loads it from the disk cache, a cache hit of milliseconds.
+
+Nothing here can change a result.  The parent's JIT compiles from the kernel's source as it
+always does; this process only fills its cache.  A binary built here under another key
+(another Triton, a changed source, a cache directory set in code) is simply not found, and
+the parent compiles the binary itself.
+
+Protocol: length-prefixed pickles over the process's stdin and stdout.  Both ends are this
+module, on the same interpreter and the same Triton, started by the parent.
+Request: ``(module, name, cache_key, signature, constants, attrs, options, target)``.
+Reply: ``(ok, seconds, error)``.  The process ends when its input closes.
+
+    python -m lik_plugins.kernels.triton.compile_worker     # started by CompilerProcess only
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_HEADER = struct.Struct("<Q")
+
+
+def _send(stream, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream):
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None     # the other end closed
+    size = _HEADER.unpack(head)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+def compile_one(module: str, name: str, cache_key: str, signature: dict, constants: dict, attrs: dict,
+                options: dict, target) -> None:
+    """Build one binary into the on-disk cache, as the parent's JIT would build it."""
+    import importlib
+
+    import triton
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), name)
+    if fn.cache_key != cache_key:   # another source than the parent's: its key would not match
+        raise RuntimeError(f"{module}.{name}: the kernel's source differs from the parent's")
+    triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options)
+
+
+def serve(requests, replies) -> int:
+    while True:
+        request = _receive(requests)
+        if request is None:
+            return 0
+        start = time.perf_counter()
+        try:
+            compile_one(*request)
+            reply = (True, time.perf_counter() - start, None)
+        except Exception as exc:   # reported to the parent, which then compiles the binary itself
+            reply = (False, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+        _send(replies, reply)
+
+
+class CompilerProcess:
+    """One compiler process, used by one thread of the parent at a time.
+
+    The child imports what the parent imports, from the same places: its ``PYTHONPATH`` is
+    the parent's ``sys.path``."""
+
+    def __init__(self):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.pop("TRITON_INTERPRET", None)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, env=env, cwd=str(Path(__file__).resolve().parents[3]))
+
+    def compile(self, request: tuple) -> tuple[bool, float, str | None]:
+        """Send one request, wait for its reply (the GIL is free meanwhile)."""
+        try:
+            _send(self.process.stdin, request)
+            reply = _receive(self.process.stdout)
+        except (OSError, ValueError) as exc:
+            return False, 0.0, f"compiler process: {exc}"
+        return reply if reply is not None else (False, 0.0, "compiler process exited")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self) -> None:
+        """End the process: its input closes, it finishes the binary in hand and exits."""
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout = sys.stderr     # nothing but replies on the reply channel
+    sys.exit(serve(sys.stdin.buffer, replies))
