@@ -20,8 +20,9 @@ the kernels are what is measured; ``pylate`` is the real training loop):
   ``patch_pylate()``, the peers are PyLate's own ``PYLATE_SCORES_BACKEND`` choices.
 
 Implementations: ``lik_plugins``, ``late-interaction-kernels``, ``flash-maxsim``, ``torch``
-(eager einsum); ``lik_plugins-serial`` (not in the default set) is ``lik_plugins`` with
-``LIK_COMPILE_AHEAD=0``.  Per cell: first step, first 10 steps (sum), steady median / max after
+(eager einsum); not in the default set, ``lik_plugins-serial`` is ``lik_plugins`` with
+``LIK_COMPILE_AHEAD=0`` and ``lik_plugins-thread`` with ``LIK_COMPILE_AHEAD=thread`` (compile
+ahead in threads of the process instead of compiler processes).  Per cell: first step, first 10 steps (sum), steady median / max after
 step 10 and the count of steps above 20x the median.  Writes ``real_loop.json`` (long
 format) and ``real_loop.md``.
 """
@@ -39,8 +40,10 @@ import time
 LOOPS = ("fixed", "vary-colbert", "vary-colpali", "pylate")
 IMPLS = ("lik_plugins", "late-interaction-kernels", "flash-maxsim", "torch")
 # lik_plugins with LIK_COMPILE_AHEAD=0: the backward's kernels compile when the backward
-# needs them, one after another in the caller's thread (the A/B of kernels/triton/ahead.py)
-EXTRA_IMPLS = ("lik_plugins-serial",)
+# needs them, one after another in the caller's thread (the A/B of kernels/triton/ahead.py);
+# with LIK_COMPILE_AHEAD=thread: compiled ahead in threads of this process
+EXTRA_IMPLS = ("lik_plugins-serial", "lik_plugins-thread")
+AHEAD_MODE = {"lik_plugins-serial": "0", "lik_plugins-thread": "thread"}
 
 
 # ----------------------------------------------------------------------------- one cell
@@ -174,9 +177,13 @@ def run_cell(args) -> dict:
                compile_s=sum(e[2] for e in compiles if not e[3]),
                compile_caller_s=sum(e[2] for e in compiles if not e[3] and e[1] == "MainThread"))
     if args.impl.startswith("lik_plugins"):
-        from lik_plugins.kernels.triton import direct
+        from lik_plugins.kernels.triton import ahead, direct
 
         row["variants"] = direct.variants()
+        # binaries built by compiler processes: (kernel, seconds, ok, error); the parent then
+        # loads them from the disk cache (cache hits in ``compiles``)
+        row["process_compiles"] = ahead.process_compiles()
+        row["process_compile_s"] = sum(e[1] for e in row["process_compiles"] if e[2])
     return row
 
 
@@ -184,8 +191,8 @@ def run_cell(args) -> dict:
 def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout):
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
     env.pop("LIK_DISABLE", None)
-    if impl == "lik_plugins-serial":
-        env["LIK_COMPILE_AHEAD"] = "0"
+    if impl in AHEAD_MODE:
+        env["LIK_COMPILE_AHEAD"] = AHEAD_MODE[impl]
     cmd = [sys.executable, os.path.abspath(__file__), "--cell", "--loop", loop, "--impl", impl,
            "--steps", str(steps), "--cache", cache_label] + (["--compile"] if compile_ else [])
     t0 = time.perf_counter()
@@ -208,21 +215,24 @@ def markdown(rows, meta) -> str:
            f"torch {meta['torch']}, triton {meta['triton']}; {meta.get('peers', '')}", "",
            f"Command: `{meta['command']}`", "",
            "Each cell: a fresh process; `cold` = empty Triton cache, `warm` = a second process on that cache.", "",
-           "Triton compiles: binaries built (not loaded from the disk cache) and their seconds, of which in "
-           "the caller's thread (the rest in background threads, beside it).", "",
+           "Triton compiles: binaries built in this process (not loaded from the disk cache) and their "
+           "seconds, of which in the caller's thread (the rest in background threads, beside it); "
+           "then binaries built by compile-ahead's compiler processes and their seconds.", "",
            "| loop | compile | cache | implementation | first step (s) | first 10 steps (s) | steady median (ms) "
-           "| steady max (ms) | steps > 20x median | Triton compiles: n, s (caller's) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| steady max (ms) | steps > 20x median | Triton compiles: n, s (caller's) | in compiler processes: n, s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | error: {r['error']} "
-                       "| | | | | |")
+                       "| | | | | | |")
             continue
         built = [e for e in r.get("compiles", []) if not e[3]]
         compiled = f"{len(built)}, {r.get('compile_s', 0):.1f} ({r.get('compile_caller_s', 0):.1f})" if built else ""
+        in_process = [e for e in r.get("process_compiles", []) if e[2]]
+        processes = f"{len(in_process)}, {r.get('process_compile_s', 0):.1f}" if in_process else ""
         out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | {r['first_step_s']:.2f} | "
                    f"{r['first10_s']:.2f} | {r['steady_median_ms']:.3f} | {r['steady_max_ms']:.2f} | "
-                   f"{r['spikes_over_20x']} | {compiled} |")
+                   f"{r['spikes_over_20x']} | {compiled} | {processes} |")
     return "\n".join(out + _spread(rows)) + "\n"
 
 

@@ -4,7 +4,7 @@
 #   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|realloop|coldstart|multigpu|fidelity|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
-#   coldstart = compile-ahead's GPU test and its A/B (kernel loops, PyLate twice), one call;
+#   coldstart = compile-ahead's GPU test and its A/B (PyLate twice, kernel loops), one call;
 #   multigpu = benchmarks/multi_gpu.py over every GPU of the machine (NCCL, multicast off; options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e.
 # A cold machine compiles every specialisation: the suite took ~9 minutes in one process, so
@@ -64,15 +64,16 @@ if [[ $stage == realloop ]]; then
   python3 benchmarks/real_loop.py "$OUT" "$@" 2>&1 | tail -60
 fi
 if [[ $stage == coldstart ]]; then
-  # compile-ahead's GPU test, then its A/B in the kernel loops and (twice, interleaved) in PyLate's
+  # compile-ahead's GPU test, then its A/B -- compiler processes (default), threads, off, and the
+  # fastest peer -- in PyLate's loop (twice, interleaved) and in the kernel loops
   host_env
-  timeout 120 python3 -m pytest -q tests/gpu/test_compile_ahead_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  timeout 150 python3 -m pytest -q tests/gpu/test_compile_ahead_gpu.py -p no:cacheprovider 2>&1 | tail -3
   mkdir -p "$OUT/kernel_loops" "$OUT/pylate"
-  timeout 300 python3 benchmarks/real_loop.py "$OUT/kernel_loops" --loops fixed,vary-colbert,vary-colpali \
-    --impls lik_plugins,lik_plugins-serial,late-interaction-kernels --steps 60 --warm --timeout 90 2>&1 | grep -v '^{'
-  timeout 200 python3 benchmarks/real_loop.py "$OUT/pylate" --loops pylate \
-    --impls lik_plugins,lik_plugins-serial,late-interaction-kernels --steps 12 --repeats 2 --timeout 60 2>&1 \
-    | grep -v '^{'
+  timeout 260 python3 benchmarks/real_loop.py "$OUT/pylate" --loops pylate \
+    --impls lik_plugins,lik_plugins-thread,lik_plugins-serial,late-interaction-kernels --steps 12 --repeats 2 \
+    --timeout 60 2>&1 | grep -v '^{'
+  timeout 170 python3 benchmarks/real_loop.py "$OUT/kernel_loops" --loops fixed,vary-colbert,vary-colpali \
+    --impls lik_plugins,lik_plugins-thread,late-interaction-kernels --steps 40 --timeout 60 2>&1 | grep -v '^{'
 fi
 if [[ $stage == multigpu ]]; then
   # NVLink multicast stays off in every process (NCCL, PyTorch symmetric memory, NVSHMEM)
