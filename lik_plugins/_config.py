@@ -14,9 +14,11 @@ between two calls in the same process.
                             (default 2**24, i.e. 64 MB of fp32 scratch).
 ``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
                             the compiled launcher (see ``kernels/triton/direct.py``).
-``LIK_COMPILE_AHEAD=0``     compile a training step's backward kernels in the caller's
-                            thread when it needs them, instead of in background threads
-                            while the forward compiles (``kernels/triton/ahead.py``).
+``LIK_COMPILE_AHEAD``       where a training step's backward kernels compile while its
+                            forward compiles (``kernels/triton/ahead.py``): ``thread``
+                            (default: background threads), ``process`` (compiler processes,
+                            off this process's GIL), ``0``: not ahead -- in the caller's
+                            thread when the backward needs them.
 ``LIK_AUTOTUNE``            ``auto`` (default): forward and backward configs come from the
                             committed per-architecture table (``kernels/triton/configs/``);
                             an architecture without a table is swept once and the result
@@ -60,12 +62,12 @@ def direct_launch_enabled() -> bool:
 
 
 def compile_ahead_mode() -> str:
-    """``LIK_COMPILE_AHEAD``: ``process`` (default: compile in compiler processes),
-    ``thread`` (in threads of this process) or ``off`` (0/false/no/off)."""
-    value = _getenv("LIK_COMPILE_AHEAD", "process").strip().lower()
+    """``LIK_COMPILE_AHEAD``: ``thread`` (default: compile in background threads of this
+    process), ``process`` (in compiler processes) or ``off`` (0/false/no/off)."""
+    value = _getenv("LIK_COMPILE_AHEAD", "thread").strip().lower()
     if value in ("0", "false", "no", "off"):
         return "off"
-    return "thread" if value in ("thread", "threads") else "process"
+    return "process" if value in ("process", "processes") else "thread"
 
 
 def compile_ahead_enabled() -> bool:

@@ -13,14 +13,15 @@ expect (``kernels/expected.py``).  If the forward launch finds no binary for its
 first *fires* the expectation: the backward's launch code runs once -- its allocations and
 small torch operations on the device, the call's own tensors as inputs -- with every
 Triton launch *recorded* instead of made; each recorded launch is handed to a thread that
-has it compiled.  By default the thread captures what the JIT would compile (its
-``jit_cache_hook``; nothing compiled, nothing launched), a compiler process of its own builds
-that into Triton's on-disk cache (``compile_worker.py``: the training loop's GIL is not
-shared with the compiler), and the thread loads it into the JIT's cache (a disk-cache hit).
-With ``LIK_COMPILE_AHEAD=thread`` the thread compiles it itself (``JITFunction.warmup``), as
-it also does when no compiler process can be started.  The real backward's launch then
-waits for that thread (:func:`wait`) instead of compiling the same binary again, and finds
-it in the JIT's cache.
+compiles it (``JITFunction.warmup``: the JIT's own specialisation and cache, nothing
+launched).  With ``LIK_COMPILE_AHEAD=process`` the thread instead captures what the JIT
+would compile (its ``jit_cache_hook``), a compiler process of its own builds that into
+Triton's on-disk cache (``compile_worker.py``: the compiler does not share the training
+loop's GIL), and the thread loads it into the JIT's cache (a disk-cache hit); where no
+compiler process can be started, the thread compiles.  Threads are the default: on the
+H100 machine neither was faster beyond the noise (``docs/performance-notes.md``), and
+threads start nothing.  The real backward's launch then waits for that thread
+(:func:`wait`) instead of compiling the same binary again, and finds it in the JIT's cache.
 
 Nothing here can change a result: a prediction that misses (a gradient with other strides
 than the one expected, an unaligned tensor) only means the real launch compiles its own

@@ -1,11 +1,11 @@
-"""Triton's compiler in a process of its own, for compile ahead (``ahead.py``).
+"""Triton's compiler in a process of its own, for compile ahead (``ahead.py``) with
+``LIK_COMPILE_AHEAD=process``.
 
 Compile ahead builds the binaries a training step will need while the step runs.  In a
-thread of the training process that costs the loop: Triton's compiler holds the GIL in its
-Python stages, and a step made of many short torch calls (a PyLate step: the encoder's
-hundreds of ops) waits at every hand-off.  Measured on the H100 machine, the same binaries
-took 30-50 % longer beside PyLate's step, and the loop's first ten steps got no faster
-(``docs/performance-notes.md``).  A compiler process has a GIL of its own.
+thread of the training process the compiler shares the loop's GIL: its Python stages hold
+it, and a step made of many short torch calls (a PyLate step: the encoder's hundreds of ops)
+waits at every hand-off.  On the H100 machine the same binaries took 30-50 % longer beside
+PyLate's step than beside a kernel loop.  A compiler process has a GIL of its own.
 
 The parent captures what Triton's JIT would compile -- the signature, constants and
 attributes of the specialisation, the options and the target, exactly as the JIT's
