@@ -121,8 +121,11 @@ def test_the_expectation_is_taken_once_and_only_inside_its_forward():
 def test_guesses_straddle_every_length_bucket():
     guessed = ahead.guesses({(12, 100), (25, 250)})
     lqs, lds = sorted({q for q, _ in guessed}), sorted({d for _, d in guessed})
-    assert lqs == [8, 9, 16, 17, 32]                           # powers of two around 12 and 25
-    assert lds == [64, 65, 128, 129, 192, 193, 256]            # and the multiples of 64 between
+    assert lqs == [4, 5, 8, 9, 16, 17, 32]                     # powers of two around 12 and 25, one below
+    # powers of two and multiples of 64 from half the power of two below 100 to one step past 256
+    assert lds == [32, 33, 64, 65, 128, 129, 192, 193, 256, 257, 320]
+    # nearest to a seen length first: the edges next to (25, 250), then the ones around (12, 100)
+    assert guessed[:2] == [(32, 256), (32, 257)]
     assert ahead.guesses({(32, 100)}) == [(32, 100)]           # nothing changed: nothing guessed
     assert {q for q, _ in ahead.guesses({(32, 100), (32, 180)})} == {32}
 
@@ -144,6 +147,39 @@ def test_guessed_lengths_cover_every_binary_of_a_sweep(monkeypatch, layout):
     needed = set().union(*(binaries(lq, ld) for lq in range(8, 33, 3) for ld in range(60, 301, 11)))
     guessed = set().union(*(binaries(lq, ld) for lq, ld in ahead.guesses({(12, 100), (25, 250)})))
     assert len(needed) >= 3 and needed <= guessed
+
+
+@pytest.mark.parametrize("seen", [{(20, 254), (21, 70)}, {(12, 100), (25, 250)}, {(9, 290), (30, 75)}])
+def test_guesses_cover_the_sweep_on_the_h100_planning(monkeypatch, seen):
+    """The same on the H100's planning -- the sm90 config table and 132 SMs, where block sizes
+    follow the size class of each document length (the interpreter's fixed configs hide
+    that) -- emulated on CPU: the dry run plans as on the GPU and launches nothing.  Two
+    calls' lengths whose span sits inside the sweep (Lq 8-32 x Ld 60-300, the changing-length
+    loop of ``benchmarks/real_loop.py``) guess every binary of it; the shortest lengths sit
+    below both calls' (before guesses reached one bucket below, a 60-token batch met late in
+    the H100 run still compiled)."""
+    from lik_plugins.kernels.triton import launch, tuning
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    monkeypatch.setenv("LIK_AUTOTUNE", "auto")
+    monkeypatch.setattr(tuning, "_INTERPRETED", False)
+    monkeypatch.setattr(tuning, "architecture", lambda: "sm90")
+    # plans made under the interpreter's configs must not serve these calls
+    monkeypatch.setattr(launch, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(launch, "_LOWMEM_PLANS", {})
+    monkeypatch.setattr(tuning, "_chosen", {})
+
+    def binaries(lq, ld):
+        Q = torch.empty(64, lq, 128, dtype=torch.bfloat16)
+        D = torch.empty(64, ld, 128, dtype=torch.bfloat16)
+        args = (Q, D, None, torch.ones(64, ld, dtype=torch.bool), library.CROSS, False, False, "auto", True, True)
+        return {direct.variant(k, a, m) for k, _, a, m in ahead.dry_run(library._maxsim_step_ahead, *args)}
+
+    needed = set().union(*(binaries(lq, ld) for lq in range(8, 33) for ld in range(60, 301, 7)))
+    guessed = set().union(*(binaries(lq, ld) for lq, ld in ahead.guesses(seen) + sorted(seen)))
+    block_sizes = {dict(v[1]).get("BLOCK_T") for v in needed if v[0] == "maxsim_bwd_doc_kernel"}
+    assert len(block_sizes) > 1                 # the table's size classes are in play
+    assert needed <= guessed, needed - guessed
 
 
 def test_queued_compiles_do_not_hold_up_the_exit(tmp_path):

@@ -141,21 +141,30 @@ def _pow2_ceil(n: int) -> int:
 
 def guesses(seen: set) -> list[tuple[int, int]]:
     """The (Lq, Ld) worth compiling for once lengths ``seen`` have changed: every length
-    bucket around the seen ones.  Query lengths bucket on powers of two (rows per program):
-    guesses between the powers of two around the seen ones; document lengths on powers of
-    two and multiples of :data:`LD_STEP`: guesses from the power of two below the shortest
-    to the multiple of :data:`LD_STEP` above the longest.  One length that never changed
-    guesses nothing along its axis."""
+    bucket around the seen ones, and one beyond them below (shorter queries or documents
+    than the first two calls had are common; on the H100's planning, two calls' lengths
+    alone left a later bucket uncompiled in most random draws from a sweep).  Query lengths
+    bucket on powers of two (rows per program): guesses from half the power of two below
+    the shortest to the power of two above the longest.  Document lengths bucket on powers
+    of two and multiples of :data:`LD_STEP`: guesses from half the power of two below the
+    shortest to one :data:`LD_STEP` past the multiple above the longest.  One length that
+    never changed guesses nothing along its axis.  Nearest to a seen length first: the
+    guesses compile one at a time, in this order."""
     lqs, lds = {q for q, _ in seen}, {d for _, d in seen}
     if len(lqs) > 1:
-        lo, hi = _pow2_floor(min(lqs)), _pow2_ceil(max(lqs))
+        lo, hi = max(1, _pow2_floor(min(lqs)) // 2), _pow2_ceil(max(lqs))
         lqs = _bucket_edges(lo, hi, [1 << k for k in range(hi.bit_length())])
     if len(lds) > 1:
-        # up to the next multiple of LD_STEP only: a guess allocates documents of its length
-        lo, hi = _pow2_floor(min(lds)), -(-max(lds) // LD_STEP) * LD_STEP
+        # up to one step past the next multiple of LD_STEP only: a guess allocates documents of its length
+        lo, hi = max(1, _pow2_floor(min(lds)) // 2), -(-max(lds) // LD_STEP) * LD_STEP + LD_STEP
         lds = _bucket_edges(lo, hi, sorted({1 << k for k in range(hi.bit_length())} | set(range(LD_STEP, hi + 1,
                                                                                               LD_STEP))))
-    return [(q, d) for q in sorted(lqs) for d in sorted(lds)]
+
+    def distance(guess):
+        q, d = guess
+        return min(abs((q - sq) / max(sq, 1)) + abs(d - sd) / LD_STEP for sq, sd in seen)
+
+    return sorted(((q, d) for q in sorted(lqs) for d in sorted(lds)), key=lambda g: (distance(g), g))
 
 
 def _resized(args: tuple, lq: int, ld: int) -> tuple:
