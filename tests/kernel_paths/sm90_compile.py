@@ -37,15 +37,22 @@ def compile_kernel(settings: dict):
             pointers[key] = value
         else:
             meta[key] = value
-    params = list(inspect.signature(fn.fn).parameters.values())
+    signature, constants = specialisation(fn, meta, pointers)
+    return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def specialisation(fn, meta: dict, pointers: dict) -> tuple[dict, dict]:
+    """Triton's ``(signature, constants)`` of ``fn``: parameters in ``meta`` or annotated
+    constexpr are constants (``meta``'s value, else the default), the others take their type
+    from ``pointers`` (integers: ``i32``)."""
     signature, constants = {}, {}
-    for i, p in enumerate(params):
+    for i, p in enumerate(inspect.signature(fn.fn).parameters.values()):
         if p.name in meta or "constexpr" in str(p.annotation):
             signature[p.name] = "constexpr"
             constants[(i,)] = meta.get(p.name, p.default)
         else:
             signature[p.name] = pointers.get(p.name, "i32")
-    return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
+    return signature, constants
 
 
 if __name__ == "__main__":

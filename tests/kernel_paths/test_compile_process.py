@@ -25,8 +25,7 @@ SCRIPT = textwrap.dedent("""
     from lik_plugins.kernels.triton.compile_worker import CompilerProcess
     from lik_plugins.kernels.triton.ahead import options_from_json
     sys.path.insert(0, sys.argv[1])
-    from sm90_compile import META, POINTERS
-    import inspect
+    from sm90_compile import META, POINTERS, specialisation
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
@@ -34,15 +33,8 @@ SCRIPT = textwrap.dedent("""
     triton.knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: hits.append(cache_hit)
 
     def spec_of(fn, meta, pointers):
-        signature, constants = {}, {}
-        for i, p in enumerate(inspect.signature(fn.fn).parameters.values()):
-            if p.name in meta or "constexpr" in str(p.annotation):
-                signature[p.name] = "constexpr"
-                constants[(i,)] = meta.get(p.name, p.default)
-            else:
-                signature[p.name] = pointers.get(p.name, "i32")
         attrs = {(0,): [("tt.divisibility", 16)], (1,): [("tt.divisibility", 16)]}
-        return signature, constants, attrs
+        return (*specialisation(fn, meta, pointers), attrs)
 
     cases = [(self_check_kernel, {"BLOCK": 64}, {"X": "*fp32", "OUT": "*fp32", "scale": "fp32"}, {"num_warps": 4}),
              (maxsim_fwd_kernel, META, POINTERS, {"num_warps": 8, "num_stages": 3})]

@@ -33,7 +33,6 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 _HEADER = struct.Struct("<Q")
 
@@ -95,7 +94,7 @@ class CompilerProcess:
         env.pop("TRITON_INTERPRET", None)
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, env=env, cwd=str(Path(__file__).resolve().parents[3]))
+            stderr=subprocess.DEVNULL, env=env)
 
     def compile(self, request: tuple) -> tuple[bool, float, str | None]:
         """Send one request, wait for its reply (the GIL is free meanwhile)."""
