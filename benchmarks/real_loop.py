@@ -147,17 +147,19 @@ def _pylate_loop(args) -> list[float]:
 
 
 def _listen_to_compiles() -> list:
-    """Every Triton compile of the cell (ours and the peers'): kernel, thread, seconds, and
-    whether it was a load from the on-disk cache."""
+    """Every Triton compile of the cell (ours and the peers'): kernel, thread, seconds,
+    whether it was a load from the on-disk cache, and when it finished (seconds since the
+    listener was set: beside ``spike_steps`` it shows which compile a slow step waited on)."""
     import threading
 
     import triton
 
     events: list = []
+    t0 = time.perf_counter()
 
     def listen(*, src, metadata, metadata_group, times, cache_hit):
         events.append([getattr(src, "name", str(src)), threading.current_thread().name, times.total / 1e6,
-                       bool(cache_hit)])
+                       bool(cache_hit), round(time.perf_counter() - t0, 3)])
 
     if getattr(getattr(triton, "knobs", None), "compilation", None) is not None:
         triton.knobs.compilation.listener = listen
@@ -173,6 +175,9 @@ def run_cell(args) -> dict:
     row = dict(loop=args.loop, impl=args.impl, compile=bool(args.compile), cache=args.cache,
                first_step_s=times[0], first10_s=sum(times[:10]), steady_median_ms=median * 1e3,
                steady_max_ms=max(steady) * 1e3, spikes_over_20x=sum(t > 20 * median for t in steady),
+               # (step, ms, loop seconds up to the end of the step) of each spike
+               spike_steps=[(i, round(t * 1e3, 2), round(sum(times[:i + 1]), 3)) for i, t in enumerate(times)
+                            if i >= 10 and t > 20 * median],
                steps=len(times), cell_wall_s=time.perf_counter() - t_start, compiles=compiles,
                compile_s=sum(e[2] for e in compiles if not e[3]),
                compile_caller_s=sum(e[2] for e in compiles if not e[3] and e[1] == "MainThread"))

@@ -24,7 +24,10 @@ from .tuning import next_pow2
 BLOCK_T = 128
 
 
-@triton.jit(do_not_specialize=["ld", "lq", "n_centroids", "s_cb", "s_ct"])
+# ``lq`` is specialised: it is the row stride of the centroid scores, and only a known
+# multiple of 16 lets each gathered row load as vectors (4 floats a load, not 1).  Query
+# lengths fall in 3 classes (1, a multiple of 16, other): at most 3 binaries.
+@triton.jit(do_not_specialize=["ld", "n_centroids", "s_cb", "s_ct"])
 def plaid_approx_kernel(S, CODES, LENS, OUT, ld, lq, n_centroids, s_cb, s_ct,
                         BLOCK_T: tl.constexpr, LQ_PAD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)

@@ -82,23 +82,35 @@ def _bucket_weight(A2, field, m, NBITS: tl.constexpr):
 
 @triton.jit
 def _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, n_centroids,
-                   BLOCK_K: tl.constexpr, NBITS: tl.constexpr):
+                   WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, NBITS: tl.constexpr):
     """Decompressed tokens ``[BLOCK_K, WIDTH]`` fp32 (zeros outside ``m_t`` and ``dim``):
     ``centroids[code] + bucket_weights[bucket]``, the bucket read from the packed residual
     bits (reference.py documents the layout: each dimension's ``NBITS`` bits least
     significant first, packed into bytes most significant first).  ``A2`` holds the weights
     in stream order -- indexed by the field as it sits in the byte, i.e. by the bucket's bits
-    reversed (``launch.stream_order_weights``) -- so no per-element bit reversal is needed."""
+    reversed (``launch.stream_order_weights``) -- so no per-element bit reversal is needed.
+
+    The token's bytes are loaded as one ``[BLOCK_K * NBITS / 8, WIDTH]`` tile (contiguous:
+    vector loads) and each byte is split into its ``8 / NBITS`` fields in registers.  Loading
+    the byte of every element instead (``8 / NBITS`` loads of the same byte) kept the L1 busy:
+    on an H100, 1 x 10k documents of 300 tokens, 0.69 -> 0.53 ms at 2 bits, 1.22 -> 1.15 at 4
+    (docs/performance-notes.md)."""
+    PER_BYTE: tl.constexpr = 8 // NBITS
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < dim
     code = tl.load(p_a0 + o_t * s_a0t, mask=m_t, other=0)
     # a padding token may hold any code: keep its (ignored) centroid lookup in bounds
     code = tl.minimum(tl.maximum(code, 0), n_centroids - 1).to(tl.int64)
     m = m_k[:, None] & m_t[None, :]
-    first_bit = o_k * NBITS                                                       # [BK] in the stream
-    byte = tl.load(p_d + o_t[None, :] * s_dt + (first_bit // 8)[:, None] * s_dh, mask=m, other=0).to(tl.int32)
-    shift = 8 - NBITS - first_bit % 8                                             # [BK]
-    field = (byte >> shift[:, None]) & ((1 << NBITS) - 1)                         # stream order, MSB = bit 0
+    o_b = tl.arange(0, BLOCK_K // PER_BYTE)
+    byte = tl.load(p_d + o_t[None, :] * s_dt + o_b[:, None] * s_dh,
+                   mask=(o_b < dim // PER_BYTE)[:, None] & m_t[None, :], other=0).to(tl.int32)   # [BK/PB, WIDTH]
+    if PER_BYTE == 1:
+        field = byte
+    else:
+        # field f of a byte holds dimension PER_BYTE * byte + f, its bits f * NBITS from the top
+        shift = 8 - NBITS - tl.arange(0, PER_BYTE) * NBITS
+        field = tl.reshape((byte[:, None, :] >> shift[None, :, None]) & ((1 << NBITS) - 1), [BLOCK_K, WIDTH])
     weight = _bucket_weight(A2, field, m, NBITS)
     centroid = tl.load(A1 + code[None, :] * dim + o_k[:, None], mask=m, other=0.0).to(tl.float32)
     return tl.where(m, centroid + weight, 0.0)
@@ -108,26 +120,29 @@ def _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, n_centro
 def _hidden_tile(p_d, A0, A1, o_t, m_t, dim, s_dt, s_dh, n_hidden, WIDTH: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                  UPCAST: tl.constexpr):
-    """Projected tokens ``W @ H[t] + b`` as ``[BLOCK_K, WIDTH]`` fp32, ``W [dim, n_hidden]``
-    contiguous, accumulated over ``BLOCK_H``-wide slices of the hidden state."""
+    """Projected tokens ``H[t] @ W.T + b`` as ``[WIDTH, BLOCK_K]`` fp32 -- token-major: the
+    tokens are the MMA's M, the hidden slices ``[WIDTH, BLOCK_H]`` its A operand as stored,
+    ``W [dim, n_hidden]`` (contiguous) read as ``[BLOCK_H, BLOCK_K]`` slices -- accumulated
+    over the hidden size.  Built ``[BLOCK_K, WIDTH]`` (W as the A operand) the one-query
+    rerank took 0.75 ms on an H100 against 0.22 token-major (docs/performance-notes.md)."""
     o_k = tl.arange(0, BLOCK_K)
     o_h = tl.arange(0, BLOCK_H)
     m_k = o_k < dim
-    acc = tl.zeros([BLOCK_K, WIDTH], tl.float32)
+    acc = tl.zeros([WIDTH, BLOCK_K], tl.float32)
     for h0 in range(0, n_hidden, BLOCK_H):
         hh = h0 + o_h
         m_h = hh < n_hidden
-        w = tl.load(A0 + o_k[:, None].to(tl.int64) * n_hidden + hh[None, :], mask=m_k[:, None] & m_h[None, :],
-                    other=0.0)                                                    # [BK, BH]
-        x = tl.load(p_d + o_t[None, :] * s_dt + hh[:, None] * s_dh, mask=m_h[:, None] & m_t[None, :],
-                    other=0.0)                                                    # [BH, WIDTH]
+        x = tl.load(p_d + o_t[:, None] * s_dt + hh[None, :] * s_dh, mask=m_t[:, None] & m_h[None, :],
+                    other=0.0)                                                    # [WIDTH, BH]
+        w = tl.load(A0 + o_k[None, :].to(tl.int64) * n_hidden + hh[:, None], mask=m_h[:, None] & m_k[None, :],
+                    other=0.0)                                                    # [BH, BK]
         if UPCAST:
             w = w.to(tl.float32)
             x = x.to(tl.float32)
-        acc = tl.dot(w, x, acc, input_precision=PRECISION)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
-        acc += tl.load(A1 + o_k, mask=m_k, other=0.0).to(tl.float32)[:, None]
-    return tl.where(m_k[:, None] & m_t[None, :], acc, 0.0)
+        acc += tl.load(A1 + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    return tl.where(m_t[:, None] & m_k[None, :], acc, 0.0)
 
 
 @triton.jit
@@ -136,7 +151,8 @@ def _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n,
               DOC_FORMAT: tl.constexpr, NBITS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
               NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
     """Document tokens ``n0 .. n0 + WIDTH`` as the MMA's ``[BLOCK_K, WIDTH]`` operand (zeros
-    past the document) when the whole embedding is one K tile; otherwise a placeholder (the
+    past the document) when the whole embedding is one K tile -- ``[WIDTH, BLOCK_K]`` for
+    HIDDEN (token-major, see :func:`_tile_similarities`); otherwise a placeholder (the
     K loop of :func:`_tile_similarities` loads its own slices).
 
     ``DOC_FORMAT`` RESIDUAL / HIDDEN build the operand from the compressed tokens or the
@@ -146,14 +162,18 @@ def _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n,
         o_t = n0 + tl.arange(0, WIDTH)
         m_t = o_t < ld
         if DOC_FORMAT == RESIDUAL:
-            b_d = _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, aux_n, BLOCK_K, NBITS)
+            b_d = _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, aux_n, WIDTH, BLOCK_K, NBITS)
         else:
             b_d = _hidden_tile(p_d, p_a0, A1, o_t, m_t, dim, s_dt, s_dh, aux_n, WIDTH, BLOCK_K, BLOCK_H, HAS_BIAS,
                                PRECISION, UPCAST)
         if NORMALIZE:
-            # x / max(||x||, 1e-12), as reference.NORM_EPS
-            norm = tl.sqrt(tl.sum(b_d * b_d, axis=0))
-            b_d = b_d / tl.maximum(norm, 1e-12)[None, :]
+            # x / max(||x||, 1e-12), as reference.NORM_EPS; hidden tiles are token-major
+            if DOC_FORMAT == RESIDUAL:
+                norm = tl.sqrt(tl.sum(b_d * b_d, axis=0))
+                b_d = b_d / tl.maximum(norm, 1e-12)[None, :]
+            else:
+                norm = tl.sqrt(tl.sum(b_d * b_d, axis=1))
+                b_d = b_d / tl.maximum(norm, 1e-12)[:, None]
     elif BLOCK_K == D_PAD:
         o_t = n0 + tl.arange(0, WIDTH)
         o_k = tl.arange(0, BLOCK_K)
@@ -183,9 +203,13 @@ def _tile_similarities(
     if DOC_FORMAT == INT8:
         # int8 x int8 on the integer matrix units: exact int32 sums, scaled per element below
         b_s = tl.dot(b_q, b_d, out_dtype=tl.int32).to(tl.float32)
-    elif DOC_FORMAT == RESIDUAL or DOC_FORMAT == HIDDEN:
+    elif DOC_FORMAT == RESIDUAL:
         # the built (normalised) fp32 tokens, rounded to the query's dtype like a float index
         b_s = tl.dot(b_q, b_d.to(b_q.dtype), input_precision=PRECISION)
+    elif DOC_FORMAT == HIDDEN:
+        # token-major: b_d [WIDTH, BK] and b_q = Q^T [BK, BM], so the tokens are the MMA's M
+        # again (the projection's tile feeds it in its own layout); transposed back after
+        b_s = tl.trans(tl.dot(b_d.to(b_q.dtype), b_q, input_precision=PRECISION))
     elif BLOCK_K == D_PAD:
         b_s = tl.dot(b_q, b_d, input_precision=PRECISION)                          # [BM, BK] @ [BK, WIDTH]
     else:
@@ -328,8 +352,13 @@ def _store_document(
 
 # Lengths, and strides that follow them without mattering for vector loads (mask, norm,
 # argmax and score strides), are not specialised: a new length compiles nothing (launch.py).
+# ``aux_n`` is: it is the projection head's hidden size, W's row stride and the bound of its
+# K loop, and only a known multiple of 16 lets W and H load as vectors -- unspecialised, the
+# one-query rerank of 1000 documents (h 768) took 0.75 ms on an H100 instead of ~0.2.  (A
+# model's hidden size is fixed; a residual index's centroid count adds at most the usual
+# 3 classes: 1, a multiple of 16, other.)
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks", "size_class", "s_qmi", "s_dmi",
-                               "s_dmj", "s_rdi", "s_rdj", "s_a0i", "s_a0j", "aux_n"])
+                               "s_dmj", "s_rdi", "s_rdj", "s_a0i", "s_a0j"])
 def maxsim_fwd_kernel(
     Q, D, QM, DM, RQ, RD, OUT, ARG,
     # packed layouts (VARLEN): int32 offsets of the queries / documents, and (PAIRS) the
@@ -411,7 +440,12 @@ def maxsim_fwd_kernel(
         b_qm = tl.load(p_qm, mask=m_row, other=0)
         m_keep = m_keep & (b_qm != 0)
 
-    if BLOCK_K == D_PAD:
+    if DOC_FORMAT == HIDDEN:
+        # Q^T [BK, BM]: the projected tokens are the left operand (_tile_similarities)
+        b_q = tl.load(p_q[None, :] + o_k[:, None] * s_qh, mask=m_row[None, :] & (o_k[:, None] < dim), other=0.0)
+        if UPCAST:
+            b_q = b_q.to(tl.float32)
+    elif BLOCK_K == D_PAD:
         # The whole embedding fits one tile: the query block stays on chip for the document.
         b_q = tl.load(p_q[:, None] + o_k[None, :] * s_qh, mask=m_row[:, None] & (o_k[None, :] < dim), other=0.0)
         if UPCAST:
