@@ -21,8 +21,8 @@ the kernels are what is measured; ``pylate`` is the real training loop):
 
 Implementations: ``lik_plugins``, ``late-interaction-kernels``, ``flash-maxsim``, ``torch``
 (eager einsum); not in the default set, ``lik_plugins-serial`` is ``lik_plugins`` with
-``LIK_COMPILE_AHEAD=0`` and ``lik_plugins-process`` with ``LIK_COMPILE_AHEAD=process`` (compile
-ahead in compiler processes instead of threads of the process).  Per cell: first step, first 10 steps (sum), steady median / max after
+``LIK_COMPILE_AHEAD=0`` and ``lik_plugins-thread`` with ``LIK_COMPILE_AHEAD=thread`` (compile
+ahead in threads of the process instead of compiler processes).  Per cell: first step, first 10 steps (sum), steady median / max after
 step 10 and the count of steps above 20x the median.  Writes ``real_loop.json`` (long
 format) and ``real_loop.md``.
 """
@@ -41,9 +41,9 @@ LOOPS = ("fixed", "vary-colbert", "vary-colpali", "pylate")
 IMPLS = ("lik_plugins", "late-interaction-kernels", "flash-maxsim", "torch")
 # lik_plugins with LIK_COMPILE_AHEAD=0: the backward's kernels compile when the backward
 # needs them, one after another in the caller's thread (the A/B of kernels/triton/ahead.py);
-# with LIK_COMPILE_AHEAD=process: compiled ahead in compiler processes
-EXTRA_IMPLS = ("lik_plugins-serial", "lik_plugins-process")
-AHEAD_MODE = {"lik_plugins-serial": "0", "lik_plugins-process": "process"}
+# with LIK_COMPILE_AHEAD=thread: compiled ahead in threads of the process
+EXTRA_IMPLS = ("lik_plugins-serial", "lik_plugins-thread")
+AHEAD_MODE = {"lik_plugins-serial": "0", "lik_plugins-thread": "thread"}
 
 
 # ----------------------------------------------------------------------------- one cell

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|realloop|coldstart|multigpu|fidelity|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|realloop|coldstart|multigpu|fidelity|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
 #   coldstart = compile-ahead's GPU test and its A/B (PyLate twice, kernel loops), one call;
 #   multigpu = benchmarks/multi_gpu.py over every GPU of the machine (NCCL, multicast off; options passed on).
-# kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e.
+# kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e;
+# compressed = benchmarks/bench_compressed.py (PLAID residuals, int8, the projection head; ~2.5 min cold).
 # A cold machine compiles every specialisation: the suite took ~9 minutes in one process, so
 # `tests` runs it as GPU_TEST_SHARDS (default 3) parallel pytest shards; with a 10-minute
 # limit per device call run `tests` and `memcheck` + `bench` in separate calls.
@@ -59,21 +60,25 @@ if [[ $stage == tune ]]; then
   arch=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm{m}{n}')")
   LIK_AUTOTUNE=1 timeout 560 python3 benchmarks/tune_table.py "$OUT/$arch.json" "$@" 2>&1 | tail -25
 fi
+if [[ $stage == compressed || $stage == all ]]; then
+  timeout 300 python3 benchmarks/bench_compressed.py "$OUT/compressed" --reps 20 "$@" > "$OUT/compressed.log" 2>&1
+  grep '^|' "$OUT/compressed.log" | grep -v decompress
+fi
 if [[ $stage == realloop ]]; then
   host_env
   python3 benchmarks/real_loop.py "$OUT" "$@" 2>&1 | tail -60
 fi
 if [[ $stage == coldstart ]]; then
-  # compile-ahead's GPU test, then its A/B -- threads (default), compiler processes, off, and the
+  # compile-ahead's GPU test, then its A/B -- compiler processes (default), threads, off, and the
   # fastest peer -- in PyLate's loop (twice, interleaved) and in the kernel loops
   host_env
   timeout 150 python3 -m pytest -q tests/gpu/test_compile_ahead_gpu.py -p no:cacheprovider 2>&1 | tail -3
   mkdir -p "$OUT/kernel_loops" "$OUT/pylate"
   timeout 260 python3 benchmarks/real_loop.py "$OUT/pylate" --loops pylate \
-    --impls lik_plugins,lik_plugins-process,lik_plugins-serial,late-interaction-kernels --steps 12 --repeats 2 \
+    --impls lik_plugins,lik_plugins-thread,lik_plugins-serial,late-interaction-kernels --steps 12 --repeats 2 \
     --timeout 60 2>&1 | grep -v '^{'
   timeout 170 python3 benchmarks/real_loop.py "$OUT/kernel_loops" --loops fixed,vary-colbert,vary-colpali \
-    --impls lik_plugins,lik_plugins-process,late-interaction-kernels --steps 40 --timeout 60 2>&1 | grep -v '^{'
+    --impls lik_plugins,lik_plugins-thread,late-interaction-kernels --steps 40 --timeout 60 2>&1 | grep -v '^{'
 fi
 if [[ $stage == multigpu ]]; then
   # NVLink multicast stays off in every process (NCCL, PyTorch symmetric memory, NVSHMEM)

@@ -15,10 +15,11 @@ between two calls in the same process.
 ``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
                             the compiled launcher (see ``kernels/triton/direct.py``).
 ``LIK_COMPILE_AHEAD``       where a training step's backward kernels compile while its
-                            forward compiles (``kernels/triton/ahead.py``): ``thread``
-                            (default: background threads), ``process`` (compiler processes,
-                            off this process's GIL), ``0``: not ahead -- in the caller's
-                            thread when the backward needs them.
+                            forward compiles (``kernels/triton/ahead.py``): ``process``
+                            (default: compiler processes, off this process's GIL; threads
+                            where none can start), ``thread`` (background threads of this
+                            process), ``0``: not ahead -- in the caller's thread when the
+                            backward needs them.
 ``LIK_AUTOTUNE``            ``auto`` (default): forward and backward configs come from the
                             committed per-architecture table (``kernels/triton/configs/``);
                             an architecture without a table is swept once and the result
@@ -62,12 +63,12 @@ def direct_launch_enabled() -> bool:
 
 
 def compile_ahead_mode() -> str:
-    """``LIK_COMPILE_AHEAD``: ``thread`` (default: compile in background threads of this
-    process), ``process`` (in compiler processes) or ``off`` (0/false/no/off)."""
-    value = _getenv("LIK_COMPILE_AHEAD", "thread").strip().lower()
+    """``LIK_COMPILE_AHEAD``: ``process`` (default: compile in compiler processes),
+    ``thread`` (in background threads of this process) or ``off`` (0/false/no/off)."""
+    value = _getenv("LIK_COMPILE_AHEAD", "process").strip().lower()
     if value in ("0", "false", "no", "off"):
         return "off"
-    return "process" if value in ("process", "processes") else "thread"
+    return "thread" if value in ("thread", "threads") else "process"
 
 
 def compile_ahead_enabled() -> bool:

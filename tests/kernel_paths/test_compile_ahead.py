@@ -182,6 +182,30 @@ def test_guesses_cover_the_sweep_on_the_h100_planning(monkeypatch, seen):
     assert needed <= guessed, needed - guessed
 
 
+def test_a_foreseen_binary_notes_its_lengths_without_guessing_again(monkeypatch):
+    """Guessing dry-runs every new bucket on the caller's thread (~90 at once on the H100: a
+    0.4-0.5 s step).  A launch whose binary was guessed or expected earlier only notes its
+    lengths; the next unforeseen one guesses around all of them."""
+    monkeypatch.setattr(ahead, "_seen", {})
+    monkeypatch.setattr(ahead, "_guessed", {})
+    dry_runs = []
+    monkeypatch.setattr(ahead, "dry_run", lambda step, *args: dry_runs.append(args[0].shape[1]) or [])
+    monkeypatch.setattr(ahead, "start", lambda *a, **k: None)
+
+    def call(lq, ld, guess):
+        before = len(dry_runs)
+        ahead._speculate("step", (torch.empty(4, lq, 16), torch.empty(4, ld, 16)), torch.device("cpu"), guess)
+        return len(dry_runs) - before
+
+    assert call(12, 100, True) == 0                      # one length seen: nothing to guess yet
+    first = call(25, 250, True)
+    assert first == len(ahead.guesses({(12, 100), (25, 250)})) > 0
+    assert call(30, 40, False) == 0                     # foreseen: noted only
+    # unforeseen: guesses the buckets the noted lengths add too (Ld 40 reaches down to 16)
+    assert call(20, 200, True) > 0
+    assert 16 in {d for _, d in next(iter(ahead._guessed.values()))}
+
+
 def test_queued_compiles_do_not_hold_up_the_exit(tmp_path):
     """A short script that queued many background compiles ends after the running one, not
     after the whole queue (the executors' exit hook runs every queued item)."""

@@ -1,5 +1,5 @@
-"""Compile ahead: a training step's backward kernels compile in background threads while its
-forward kernel compiles.
+"""Compile ahead: a training step's backward kernels compile in the background (compiler
+processes, or threads) while its forward kernel compiles.
 
 A cold process pays Triton's compiler once per binary (1.5-2.5 s each for our kernels on the
 H100 machine's CPU), and a training step needs two to four binaries: the forward, then the
@@ -14,13 +14,15 @@ first *fires* the expectation: the backward's launch code runs once -- its alloc
 small torch operations on the device, the call's own tensors as inputs -- with every
 Triton launch *recorded* instead of made; each recorded launch is handed to a thread that
 compiles it (``JITFunction.warmup``: the JIT's own specialisation and cache, nothing
-launched).  With ``LIK_COMPILE_AHEAD=process`` the thread instead captures what the JIT
-would compile (its ``jit_cache_hook``), a compiler process of its own builds that into
+launched).  By default (``LIK_COMPILE_AHEAD=process``) the thread only captures what the
+JIT would compile (its ``jit_cache_hook``), a compiler process of its own builds that into
 Triton's on-disk cache (``compile_worker.py``: the compiler does not share the training
 loop's GIL), and the thread loads it into the JIT's cache (a disk-cache hit); where no
-compiler process can be started, the thread compiles.  Threads are the default: on the
-H100 machine neither was faster beyond the noise (``docs/performance-notes.md``), and
-threads start nothing.  The real backward's launch then waits for that thread
+compiler process can be started, the thread compiles (``LIK_COMPILE_AHEAD=thread``: always).
+Processes are the default because the loop's steps meanwhile stall less: in the H100
+machine's changing-length loops, steps over 20x the median after the 10th were 10 with
+threads against 2 with processes over two runs of each, first 10 steps equal
+(``docs/performance-notes.md``).  The real backward's launch then waits for that thread
 (:func:`wait`) instead of compiling the same binary again, and finds it in the JIT's cache.
 
 Nothing here can change a result: a prediction that misses (a gradient with other strides
@@ -103,11 +105,13 @@ def dry_run(fn, *args) -> list:
     return launches
 
 
-def fire() -> None:
-    """Called by ``direct.launch`` just before the JIT compiles a binary: dry-run the
-    backward the running forward expects (``kernels/expected.py``; at most once per forward)
-    and start compiling its kernels; where the caller's lengths have been seen to change,
-    also the steps at the other length buckets (:func:`_speculate`)."""
+def fire(needed=None) -> None:
+    """Called by ``direct.launch`` before the first launch of binary ``needed``
+    (``direct.variant``) in this process: dry-run the backward the running forward expects
+    (``kernels/expected.py``; at most once per forward) and start compiling its kernels;
+    where the caller's lengths have been seen to change and ``needed`` was not foreseen
+    (guessed or expected earlier), also the steps at the other length buckets
+    (:func:`_speculate`)."""
     expected = take()
     if expected is None or not compile_ahead_enabled():
         return
@@ -118,7 +122,7 @@ def fire() -> None:
     try:
         start(dry_run(backward, *args), device)
         if step is not None:
-            _speculate(step, args, device)
+            _speculate(step, args, device, guess=needed not in _asked)
     except Exception:   # out of memory, say: the real calls compile what they need themselves
         return
 
@@ -181,13 +185,19 @@ def _resized(args: tuple, lq: int, ld: int) -> tuple:
     return tuple(out)
 
 
-def _speculate(step, args, device: torch.device) -> None:
+def _speculate(step, args, device: torch.device, guess: bool = True) -> None:
     """Lengths that change from call to call (documents padded to each batch's longest,
     queries of varying length) reach a new bucket now and then, and its compile stalls that
     step for a second or two -- late in a run, when nothing else does.  So once a family's
     compiles have fired at two different lengths, every bucket around them (:func:`guesses`)
     is dry-run (``step``: forward and backward, on new tensors of those lengths; ~2 ms each)
-    and compiled in the background, after the binaries the caller needs now."""
+    and compiled in the background, after the binaries the caller needs now.
+
+    ``guess=False`` (the launch found a binary guessed or expected earlier): only the lengths
+    are noted.  Guessing again there dry-ran every new bucket around them on the caller's
+    thread -- up to ~90 dry runs, a 0.4-0.5 s step at the same step of every changing-length
+    run on the H100 (``benchmarks/real_loop.py``, docs/performance-notes.md) -- for binaries
+    the first guesses had mostly built; a length no guess foresaw still guesses anew."""
     Q, D = args[0], args[1]
     if not (isinstance(Q, torch.Tensor) and isinstance(D, torch.Tensor)) or Q.dim() != 3:
         return
@@ -195,7 +205,7 @@ def _speculate(step, args, device: torch.device) -> None:
               tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else a for a in args[2:]))
     seen = _seen.setdefault(family, set())
     seen.add((Q.shape[1], D.shape[-2]))
-    if len(seen) < 2:
+    if len(seen) < 2 or not guess:
         return
     guessed = _guessed.setdefault(family, set())
     todo = [g for g in guesses(seen) if g not in guessed and g not in seen]

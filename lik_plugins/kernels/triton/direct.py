@@ -165,7 +165,7 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
         needed = variant(kernel, args, meta)
         if needed not in _VARIANTS:      # this binary's first launch here: a compile, or a load from disk
             _VARIANTS.add(needed)
-            ahead.fire()
+            ahead.fire(needed)
         ahead.wait(needed)
         return kernel[grid](*args, **meta)
     if callable(grid):
@@ -189,7 +189,7 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
         if plan is None:
             needed = variant(kernel, args, meta)
             _VARIANTS.add(needed)
-            ahead.fire()            # a compile, or a load from disk: start the backward's beside it
+            ahead.fire(needed)      # a compile, or a load from disk: start the backward's beside it
             ahead.wait(needed)      # and take this binary from a background thread if one has it
             compiled = kernel[grid](*args, **meta)
             _plans[key] = _plans[generic] = (compiled, _tail(kernel, len(args), meta))
