@@ -123,8 +123,10 @@ def _hidden_tile(p_d, A0, A1, o_t, m_t, dim, s_dt, s_dh, n_hidden, WIDTH: tl.con
     """Projected tokens ``H[t] @ W.T + b`` as ``[WIDTH, BLOCK_K]`` fp32 -- token-major: the
     tokens are the MMA's M, the hidden slices ``[WIDTH, BLOCK_H]`` its A operand as stored,
     ``W [dim, n_hidden]`` (contiguous) read as ``[BLOCK_H, BLOCK_K]`` slices -- accumulated
-    over the hidden size.  Built ``[BLOCK_K, WIDTH]`` (W as the A operand) the one-query
-    rerank took 0.75 ms on an H100 against 0.22 token-major (docs/performance-notes.md)."""
+    over the hidden size.  This is the structure of the standalone kernel that measured 0.22
+    ms for a one-query rerank of 1000 documents (h 768) on an H100; the dimension-major tile
+    before (W as the A operand) took 0.64 ms in this kernel, together with two alignment
+    losses fixed since (docs/performance-notes.md)."""
     o_k = tl.arange(0, BLOCK_K)
     o_h = tl.arange(0, BLOCK_H)
     m_k = o_k < dim
@@ -353,8 +355,8 @@ def _store_document(
 # Lengths, and strides that follow them without mattering for vector loads (mask, norm,
 # argmax and score strides), are not specialised: a new length compiles nothing (launch.py).
 # ``aux_n`` is: it is the projection head's hidden size, W's row stride and the bound of its
-# K loop, and only a known multiple of 16 lets W and H load as vectors -- unspecialised, the
-# one-query rerank of 1000 documents (h 768) took 0.75 ms on an H100 instead of ~0.2.  (A
+# K loop, and only a known multiple of 16 lets W and H load as vectors -- specialising it took
+# the one-query rerank of 1000 documents (h 768) from 0.75 to 0.50 ms on an H100.  (A
 # model's hidden size is fixed; a residual index's centroid count adds at most the usual
 # 3 classes: 1, a multiple of 16, other.)
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks", "size_class", "s_qmi", "s_dmi",
