@@ -105,7 +105,7 @@ def dry_run(fn, *args) -> list:
     return launches
 
 
-def fire(needed=None) -> None:
+def fire(needed: tuple) -> None:
     """Called by ``direct.launch`` before the first launch of binary ``needed``
     (``direct.variant``) in this process: dry-run the backward the running forward expects
     (``kernels/expected.py``; at most once per forward) and start compiling its kernels;

@@ -1,5 +1,5 @@
-"""Triton's compiler in a process of its own, for compile ahead (``ahead.py``) with
-``LIK_COMPILE_AHEAD=process``.
+"""Triton's compiler in a process of its own, for compile ahead (``ahead.py``) in its default
+mode, ``LIK_COMPILE_AHEAD=process``.
 
 Compile ahead builds the binaries a training step will need while the step runs.  In a
 thread of the training process the compiler shares the loop's GIL: its Python stages hold
