@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|realloop|coldstart|multigpu|fidelity|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|realloop|coldstart|multigpu|fidelity|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
 #   coldstart = compile-ahead's GPU test and its A/B (PyLate twice, kernel loops), one call;
 #   multigpu = benchmarks/multi_gpu.py over every GPU of the machine (NCCL, multicast off; options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e;
-# compressed = benchmarks/bench_compressed.py (PLAID residuals, int8, the projection head; ~2.5 min cold).
+# compressed = benchmarks/bench_compressed.py (PLAID residuals, int8, the projection head; ~2.5 min cold);
+# host = benchmarks/host_overhead.py (host against GPU time of a rerank call; --profile adds cProfile's view).
 # A cold machine compiles every specialisation: the suite took ~9 minutes in one process, so
 # `tests` runs it as GPU_TEST_SHARDS (default 3) parallel pytest shards; with a 10-minute
 # limit per device call run `tests` and `memcheck` + `bench` in separate calls.
@@ -63,6 +64,9 @@ fi
 if [[ $stage == compressed || $stage == all ]]; then
   timeout 300 python3 benchmarks/bench_compressed.py "$OUT/compressed" --reps 20 "$@" > "$OUT/compressed.log" 2>&1
   grep '^|' "$OUT/compressed.log" | grep -v decompress
+fi
+if [[ $stage == host ]]; then
+  timeout 200 python3 benchmarks/host_overhead.py "$OUT" "$@" 2>&1 | tail -12
 fi
 if [[ $stage == realloop ]]; then
   host_env

@@ -286,7 +286,13 @@ def _compile(kernel, device_index, args, meta):
         if compile_ahead_mode() == "process":
             _compile_in_process(kernel, device_index, args, meta)
         # a load from the disk cache where the compiler process built the binary; else the compile
-        kernel.warmup(*args, grid=(1,), **meta)
+        compiled = kernel.warmup(*args, grid=(1,), **meta)
+        # and the module's load onto the GPU, which Triton defers to a binary's first launch:
+        # done here, the loop's first launch of a guessed binary only finds it (a 58 ms step
+        # of the H200's changing-length loop was such a first launch, after the guesses' fix)
+        load = getattr(compiled, "_init_handles", None)
+        if load is not None:
+            load()
 
 
 # ---------------------------------------------------------------- compiler processes
