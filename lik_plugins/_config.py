@@ -20,6 +20,10 @@ between two calls in the same process.
                             where none can start), ``thread`` (background threads of this
                             process), ``0``: not ahead -- in the caller's thread when the
                             backward needs them.
+``LIK_SERVE_WHILE_COMPILING`` ``1`` (default): with compile ahead on, a training call (``maxsim``
+                            with a gradient) whose kernel binary is not built yet runs on the
+                            chunked path while the binary builds in the background, instead of
+                            waiting for it (seconds); ``0``: wait (every call on the kernels).
 ``LIK_AUTOTUNE``            ``auto`` (default): forward and backward configs come from the
                             committed per-architecture table (``kernels/triton/configs/``);
                             an architecture without a table is swept once and the result
@@ -73,6 +77,11 @@ def compile_ahead_mode() -> str:
 
 def compile_ahead_enabled() -> bool:
     return compile_ahead_mode() != "off"
+
+
+def serve_while_compiling() -> bool:
+    """``LIK_SERVE_WHILE_COMPILING``: not ``0``/``false``/``no``/``off`` (read on a compile only)."""
+    return _getenv("LIK_SERVE_WHILE_COMPILING", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def forced_backend() -> str:

@@ -40,7 +40,7 @@ import torch
 
 from ._routing import record
 from .kernels.common import COMPACT_MAX_ROWS, argmax_dtype
-from .kernels.expected import expect, forget
+from .kernels.expected import NotReady, defer_compiles, expect, forget
 from .kernels.dispatch import implementation, served_by, serves_width, sm_count
 
 # Layouts, passed to the ops as ints (a custom op's schema takes int, not an enum).
@@ -117,12 +117,18 @@ def maxsim_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MaxSim scores and, when ``save_argmax``, the winners ``[Nq, NJ, Lq]`` (-1: none).
     Pairs (``layout == PAIRS``) score ``D [B, Ld, d]`` as one candidate per query."""
-    impl = implementation(_path(Q, "maxsim", entry))
+    path = _path(Q, "maxsim", "")
     if layout == PAIRS:
         D = D.unsqueeze(1)
         d_mask = None if d_mask is None else d_mask.unsqueeze(1)
-    scores, argmax = impl.maxsim.forward(Q, D, q_mask, d_mask, cross=layout == CROSS, normalize=normalize,
-                                  zero_mode=zero_mode, save_argmax=save_argmax)
+    options = dict(cross=layout == CROSS, normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
+    try:
+        scores, argmax = implementation(path).maxsim.forward(Q, D, q_mask, d_mask, **options)
+    except NotReady:    # a training step's binary is building in the background: this step, chunked
+        path = "torch-chunked"
+        scores, argmax = implementation(path).maxsim.forward(Q, D, q_mask, d_mask, **options)
+    if entry:
+        record(entry, path)
     if layout == PAIRS:
         scores = scores.squeeze(1)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
@@ -176,15 +182,19 @@ def maxsim_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_Q, grad_D)`` through the winners (empty where not needed), in the inputs'
     dtypes and shapes, contiguous."""
-    impl = implementation(_path(Q, "maxsim", ""))
+    path = _path(Q, "maxsim", "")
     cross = layout == CROSS
     shape = (Q.shape[0], Q.shape[1], D.shape[0], D.shape[1], Q.shape[2]) if cross else None
     strategy = choose_backward(strategy, cross=cross, shape=shape, sms=sm_count(Q.device))
     D_view = D.unsqueeze(1) if layout == PAIRS else D
     if layout == PAIRS:
         grad = grad.unsqueeze(1)
-    gq, gd = impl.maxsim.backward(grad, Q, D_view, argmax, cross=cross, normalize=normalize, need_q=need_q,
-                           need_d=need_d, strategy=strategy, q_masked=q_masked)
+    options = dict(cross=cross, normalize=normalize, need_q=need_q, need_d=need_d, strategy=strategy,
+                   q_masked=q_masked)
+    try:
+        gq, gd = implementation(path).maxsim.backward(grad, Q, D_view, argmax, **options)
+    except NotReady:    # as in maxsim_forward: the winners' contract is the same on both paths
+        gq, gd = implementation("torch-chunked").maxsim.backward(grad, Q, D_view, argmax, **options)
     if gd is not None and layout == PAIRS:
         gd = gd.squeeze(1)
     return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
@@ -200,9 +210,11 @@ class _MaxSim(torch.autograd.Function):
         # the backward this forward will meet: compiled beside the forward if that compiles
         token = expect(_maxsim_backward_ahead, (Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy,
                                                 ctx.needs_input_grad[0], ctx.needs_input_grad[1]), _maxsim_step_ahead)
+        deferring = defer_compiles()
         try:
             scores, argmax = maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, entry)
         finally:
+            forget(deferring)
             forget(token)
         ctx.save_for_backward(Q, D, argmax)
         ctx.options = (layout, normalize, strategy, q_mask is not None)
@@ -213,7 +225,11 @@ class _MaxSim(torch.autograd.Function):
         Q, D, argmax = ctx.saved_tensors
         layout, normalize, strategy, q_masked = ctx.options
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gq, gd = maxsim_backward(grad, Q, D, argmax, layout, normalize, strategy, need_q, need_d, q_masked)
+        deferring = defer_compiles()
+        try:
+            gq, gd = maxsim_backward(grad, Q, D, argmax, layout, normalize, strategy, need_q, need_d, q_masked)
+        finally:
+            forget(deferring)
         return (gq if need_q else None), (gd if need_d else None), None, None, None
 
 

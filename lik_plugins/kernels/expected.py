@@ -28,8 +28,9 @@ def expect(backward, args: tuple, step=None):
 
 
 def forget(token) -> None:
+    """End what :func:`expect` or :func:`defer_compiles` began (``token``: what it returned)."""
     if token is not None:
-        _expected.reset(token)
+        token.var.reset(token)
 
 
 def take():
@@ -41,3 +42,29 @@ def take():
     expected[0] = None
     return taken
 
+
+
+# ---------------------------------------------------------------- serving while compiling
+class NotReady(Exception):
+    """Raised by a Triton launch inside :func:`deferring` code when its binary is not built
+    yet: the binary now compiles in the background (``kernels/triton/ahead.py``) and the op
+    layer serves this call on the chunked path instead of waiting (1.5-2.5 s a binary)."""
+
+
+_defer: contextvars.ContextVar = contextvars.ContextVar("lik_defer_compiles", default=False)
+
+
+def defer_compiles():
+    """Until :func:`forget` of the returned token, a launch whose binary is not built raises
+    :class:`NotReady` instead of compiling.  The op layer sets it around the eager training
+    ops only (``_MaxSim``'s forward and backward): there a chunked call costs milliseconds
+    against a compile's seconds, and the next step finds the binary built.  Inference calls
+    (a rerank of 100k documents may take the chunked path far longer than a compile) and
+    compiled graphs (nothing is launched while tracing) wait for their binaries as before."""
+    if torch.compiler.is_compiling():
+        return None
+    return _defer.set(True)
+
+
+def deferring() -> bool:
+    return _defer.get()

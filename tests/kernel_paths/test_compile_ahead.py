@@ -231,3 +231,51 @@ def test_queued_compiles_do_not_hold_up_the_exit(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "queued 12" in done.stdout
     assert elapsed < 8, elapsed          # twelve queued seconds would be > 12
+
+
+def test_a_training_step_runs_chunked_while_its_binaries_build(monkeypatch):
+    """Serving while compiling: inside the training ops a launch whose binary is not built
+    raises ``NotReady`` (on a GPU: ``direct._defer_if_building``, which also starts the
+    build); the op then serves that call on the chunked path -- the same scores and, through
+    the same winners' contract, the same gradients -- and counts it so.  Once built, the
+    kernels serve.  An inference call never defers (it waits for its binary)."""
+    from lik_plugins._routing import reset_routing_counts, routing_counts
+    from lik_plugins.kernels.expected import NotReady, deferring
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    building = {"left": 2}      # the forward's and the backward's first binaries are "building"
+    deferred = []
+
+    def defer_if_building(kernel, args, meta, needed):
+        if deferring() and building["left"] > 0:
+            building["left"] -= 1
+            deferred.append(needed[0])
+            raise NotReady(needed[0])
+
+    monkeypatch.setattr(direct, "_defer_if_building", defer_if_building)
+    monkeypatch.setattr(direct, "_VARIANTS", set())
+    gen = torch.Generator().manual_seed(3)
+    Q, D, dm = _inputs(gen, 4, 6, 5, 30)
+
+    def step(backend):
+        monkeypatch.setenv("LIK_BACKEND", backend)
+        q, d = Q.detach().clone().requires_grad_(), D.detach().clone().requires_grad_()
+        scores = lik.maxsim(q, d, None, dm)
+        F.cross_entropy(scores, torch.arange(4)).backward()
+        return scores.detach(), q.grad, d.grad
+
+    chunked = step("torch-chunked")
+    reset_routing_counts()
+    first = step("triton")
+    assert routing_counts()["maxsim"] == {"torch-chunked": 1}
+    assert deferred[0] == "maxsim_fwd_kernel" and len(deferred) == 2
+    for got, want in zip(first, chunked):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)     # the chunked path itself, bit for bit
+    second = step("triton")
+    assert routing_counts()["maxsim"] == {"torch-chunked": 1, "triton": 1}
+    for got, want in zip(second, chunked):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    building["left"] = 1
+    with torch.no_grad():
+        lik.maxsim(Q, D, None, dm)
+    assert building["left"] == 1 and routing_counts()["maxsim"]["triton"] == 2

@@ -75,6 +75,8 @@ _asked: set = set()
 # the (Lq, Ld) already guessed
 _seen: dict = {}
 _guessed: dict = {}
+# variants sent to the guesses' thread (``defer`` may move one to the front)
+_guess_queue: set = set()
 
 
 def recording() -> list | None:
@@ -105,7 +107,7 @@ def dry_run(fn, *args) -> list:
     return launches
 
 
-def fire(needed: tuple) -> None:
+def fire(needed: tuple, guess: bool | None = None) -> None:
     """Called by ``direct.launch`` before the first launch of binary ``needed``
     (``direct.variant``) in this process: dry-run the backward the running forward expects
     (``kernels/expected.py``; at most once per forward) and start compiling its kernels;
@@ -122,7 +124,7 @@ def fire(needed: tuple) -> None:
     try:
         start(dry_run(backward, *args), device)
         if step is not None:
-            _speculate(step, args, device, guess=needed not in _asked)
+            _speculate(step, args, device, guess=needed not in _asked if guess is None else guess)
     except Exception:   # out of memory, say: the real calls compile what they need themselves
         return
 
@@ -216,6 +218,29 @@ def _speculate(step, args, device: torch.device, guess: bool = True) -> None:
     start(launches, device, guessed=True)
 
 
+def ready(needed: tuple) -> bool:
+    """Binary ``needed`` (``direct.variant``) was compiled in the background (or failed to:
+    the launch then compiles it and reports the error itself)."""
+    future = _pending.get(needed)
+    return future is not None and future.done()
+
+
+def defer(kernel, args: tuple, meta: dict, needed: tuple) -> None:
+    """Instead of compiling binary ``needed`` in the caller's thread (the caller serves the
+    call on the chunked path: ``expected.NotReady``): compile it in the background, first in
+    line -- a guess of it still queued behind other guesses is moved to the front -- and,
+    as its compile would, fire the running forward's expectation (``fire``)."""
+    device = _device_of(args)
+    unforeseen = needed not in _asked
+    future = _pending.get(needed)
+    if future is None or (needed in _guess_queue and future.cancel()):   # never asked, or queued behind guesses
+        _asked.add(needed)
+        _guess_queue.discard(needed)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        _pending[needed] = compile_later(kernel, index, tuple(_mock(a) for a in args), dict(meta))
+    fire(needed, guess=unforeseen)
+
+
 def _mock(arg):
     # a tensor as Triton's warm-up takes it: its dtype (an aligned mock pointer; an
     # unaligned real tensor makes its own binary, in the caller's thread)
@@ -238,6 +263,8 @@ def start(launches: list, device: torch.device, guessed: bool = False) -> None:
             continue
         _asked.add(key)
         _pending[key] = compile_later(kernel, index, tuple(_mock(a) for a in args), dict(meta), guessed)
+        if guessed:
+            _guess_queue.add(key)
 
 
 def compile_later(kernel, device_index: int, args: tuple, meta: dict, guessed: bool = False) -> Future:

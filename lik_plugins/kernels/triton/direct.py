@@ -34,7 +34,8 @@ import warnings
 import torch
 import triton
 
-from ..._config import direct_launch_enabled
+from ..._config import compile_ahead_enabled, direct_launch_enabled, serve_while_compiling
+from ..expected import NotReady, deferring
 from . import ahead
 
 # Triton releases (major, minor) whose compiled-launcher layout the replay was checked
@@ -144,6 +145,19 @@ def _tail(kernel, n_positional: int, meta: dict) -> tuple:
     return tuple(meta[p.name] if p.name in meta else p.default for p in params)
 
 
+def _defer_if_building(kernel, args: tuple, meta: dict, needed: tuple) -> None:
+    """Inside the op layer's training ops (``expected.deferring``), with compile ahead on: a
+    binary not built yet starts building in the background and this launch raises
+    ``NotReady`` -- the op serves the call on the chunked path (``library.py``).  A cold
+    PyLate step waited 4-7 s for its three binaries on the H200 machine, where PyLate's own
+    einsum path took 1.1 s (``benchmarks/real_loop.py``)."""
+    if type(kernel) is not triton.runtime.JITFunction or not deferring() or not compile_ahead_enabled() \
+            or ahead.ready(needed) or not serve_while_compiling() or torch.cuda.is_current_stream_capturing():
+        return
+    ahead.defer(kernel, args, meta, needed)
+    raise NotReady(needed[0])
+
+
 def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensors=None):
     """``kernel[grid](*args, **meta)``, replayed straight into the compiled launcher once the
     plan has been launched through the JIT.  ``grid`` is a tuple or a function of ``meta``.
@@ -164,6 +178,7 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
             or not replay_ok():
         needed = variant(kernel, args, meta)
         if needed not in _VARIANTS:      # this binary's first launch here: a compile, or a load from disk
+            _defer_if_building(kernel, args, meta, needed)
             _VARIANTS.add(needed)
             ahead.fire(needed)
         ahead.wait(needed)
@@ -188,6 +203,8 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
             _plans.clear()
         if plan is None:
             needed = variant(kernel, args, meta)
+            if needed not in _VARIANTS:
+                _defer_if_building(kernel, args, meta, needed)
             _VARIANTS.add(needed)
             ahead.fire(needed)      # a compile, or a load from disk: start the backward's beside it
             ahead.wait(needed)      # and take this binary from a background thread if one has it
