@@ -4,7 +4,7 @@
 
 For each call (bf16 ``maxsim`` and ``maxsim_int8`` on 1 query x 10k documents of 300 tokens,
 the int8 query quantised inside the scoring kernel or by its own launch; a small 8 x 8
-forward), three numbers in microseconds, medians over ``--reps`` calls:
+forward; ``plaid_approx_score`` over the same 10k documents' codes), three numbers in microseconds, medians over ``--reps`` calls:
 
 * ``host``: wall time of the call with an empty GPU queue (a launch returns once queued,
   so this is the Python, checks and launch path -- unless something in it synchronises,
@@ -41,6 +41,9 @@ def _calls():
     D, Q = unit(10000, 300, 128), unit(1, 32, 128)
     index = lik.quantize_int8(D)
     Qs, Ds = unit(8, 32, 128), unit(8, 300, 128)
+    centroid_scores = torch.randn(16384, 32, generator=g).cuda()
+    codes = torch.randint(0, 16384, (10000, 300), generator=g, dtype=torch.int32).cuda()
+    lengths = torch.full((10000,), 300, dtype=torch.int32).cuda()
     fused_limit = fp8.FUSED_QUANTISATION_ELEMENTS
 
     def with_limit(limit, fn):
@@ -58,6 +61,7 @@ def _calls():
         "int8 maxsim_int8, query quantised in the kernel": with_limit(1 << 40, lambda: lik.maxsim_int8(Q, index)),
         "int8 maxsim_int8, query quantised by its own launch": with_limit(0, lambda: lik.maxsim_int8(Q, index)),
         "bf16 maxsim 8x8 Ld300 (launch-bound)": lambda: lik.maxsim(Qs, Ds),
+        "plaid_approx_score 1x10000 Ld300 C16384": lambda: lik.plaid_approx_score(centroid_scores, codes, lengths),
     }
 
 

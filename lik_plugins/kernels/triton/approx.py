@@ -67,7 +67,11 @@ def plaid_approx_score(scores: torch.Tensor, codes: torch.Tensor, doc_lengths: t
     lq = scores.shape[1]
     if scores.numel() >= 2**31:
         raise ValueError(f"query_centroid_scores has {scores.numel()} elements; at most 2**31 - 1 are supported")
+    # the static key fixes every non-tensor argument and dtype: a repeated candidate shape
+    # skips featurising the arguments (the call is host-bound on the device machines)
     launch(plaid_approx_kernel, (n,),
            (scores, codes, doc_lengths, out, ld, lq, scores.shape[0], *codes.stride()),
-           dict(BLOCK_T=BLOCK_T, LQ_PAD=max(16, next_pow2(lq)), num_warps=NUM_WARPS))
+           dict(BLOCK_T=BLOCK_T, LQ_PAD=max(16, next_pow2(lq)), num_warps=NUM_WARPS),
+           static_key=("approx", n, ld, scores.shape, codes.stride(), codes.dtype, doc_lengths.dtype),
+           caller_tensors=(scores, codes, doc_lengths))
     return out
