@@ -107,10 +107,33 @@ def _kernel_loop(args) -> list[float]:
         D.requires_grad_()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        step(Q, D, dm)
+        _profiled(len(times), args, lambda: step(Q, D, dm))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def _profiled(i: int, args, fn):
+    """``fn()``; the cell's first step under cProfile where ``--profile-first-step`` asked
+    (``REAL_LOOP_PROFILE``: the folder its text goes to, top functions by own and total time)."""
+    folder = os.environ.get("REAL_LOOP_PROFILE")
+    if i or not folder:
+        return fn()
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn)
+    finally:
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+        name = f"first_step_{args.loop}_{args.impl}_{args.cache}{'_compiled' if args.compile else ''}.txt"
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text.getvalue())
 
 
 def _pylate_loop(args) -> list[float]:
@@ -140,7 +163,7 @@ def _pylate_loop(args) -> list[float]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            pylate_e2e.train_step(loss, opt, feats)
+            _profiled(i, args, lambda: pylate_e2e.train_step(loss, opt, feats))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return times
@@ -296,6 +319,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--repeats", type=int, default=1,
                    help="run every cell this many times (fresh caches); the Markdown adds median [min-max]")
+    p.add_argument("--profile-first-step", action="store_true",
+                   help="write each cell's first step under cProfile to OUT/first_step_<loop>_<impl>_<cache>.txt")
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--loop", choices=LOOPS)
     p.add_argument("--impl", choices=IMPLS + EXTRA_IMPLS)
@@ -305,6 +330,8 @@ def main() -> int:
         print("RESULT " + json.dumps(run_cell(args)), flush=True)
         return 0
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.profile_first_step:
+        os.environ["REAL_LOOP_PROFILE"] = os.path.abspath(args.out_dir)   # the cells inherit it
     meta = environment()
     rows = []
     for loop in args.loops.split(","):

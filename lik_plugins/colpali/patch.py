@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from ..kernels.dispatch import warm_up_kernels
 from .._patching import PatchLedger
 from .._routing import record
 from .._config import disabled
@@ -281,7 +282,8 @@ def patch_colpali_engine() -> str:
             _ledger.revert()
             raise
         _generation = gen
-        return gen.name
+    warm_up_kernels()
+    return gen.name
 
 
 def unpatch_colpali_engine() -> None:

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..kernels.dispatch import warm_up_kernels
 from .._patching import PatchLedger, instance_slot_property, lookalike
 from . import _scores
 
@@ -203,7 +204,8 @@ def patch_sentence_transformers() -> STLayout:
         _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
         _apply(layout, _served)
         _current = layout
-        return layout
+    warm_up_kernels()
+    return layout
 
 
 def unpatch_sentence_transformers() -> None:
