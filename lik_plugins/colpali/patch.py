@@ -26,7 +26,6 @@ import threading
 
 import torch
 
-from ..kernels.dispatch import warm_up_kernels
 from .._patching import PatchLedger
 from .._routing import record
 from .._config import disabled
@@ -282,8 +281,7 @@ def patch_colpali_engine() -> str:
             _ledger.revert()
             raise
         _generation = gen
-    warm_up_kernels()
-    return gen.name
+        return gen.name
 
 
 def unpatch_colpali_engine() -> None:

@@ -55,21 +55,6 @@ def serves_width(path: str, op: str, dim: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def warm_up_kernels() -> None:
-    """Where the Triton kernels will serve CUDA tensors (a CUDA device, Triton installed, not
-    disabled, compile ahead on), start Triton's per-process set-up in the background
-    (``kernels/triton/ahead.warm_up``).  Called by the host patchers."""
-    if disabled() or forced_backend() not in ("auto", "triton") or not torch.cuda.is_available() \
-            or not triton_available():
-        return
-    from .._config import compile_ahead_enabled
-
-    if compile_ahead_enabled():
-        from .triton import ahead
-
-        ahead.warm_up()
-
-
 def triton_available() -> bool:
     try:
         importlib.import_module("triton")

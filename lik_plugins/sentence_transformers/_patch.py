@@ -28,7 +28,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..kernels.dispatch import warm_up_kernels
 from .._patching import PatchLedger, instance_slot_property, lookalike
 from . import _scores
 
@@ -204,8 +203,7 @@ def patch_sentence_transformers() -> STLayout:
         _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
         _apply(layout, _served)
         _current = layout
-    warm_up_kernels()
-    return layout
+        return layout
 
 
 def unpatch_sentence_transformers() -> None:

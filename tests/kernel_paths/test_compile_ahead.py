@@ -279,21 +279,3 @@ def test_a_training_step_runs_chunked_while_its_binaries_build(monkeypatch):
     with torch.no_grad():
         lik.maxsim(Q, D, None, dm)
     assert building["left"] == 1 and routing_counts()["maxsim"]["triton"] == 2
-
-
-def test_warm_up_runs_once_in_the_background_and_never_raises(monkeypatch):
-    """The host patchers' warm-up: one background thread per process (a second call starts
-    none), which swallows a failure (no CUDA driver here) -- the first compile then does the
-    set-up itself.  Without a CUDA device the patchers start nothing."""
-    from lik_plugins.kernels import dispatch
-
-    monkeypatch.setattr(ahead, "_warm_up", [])
-    ahead.warm_up()
-    ahead.warm_up()
-    assert len(ahead._warm_up) == 1
-    ahead._warm_up[0].join(timeout=60)
-    assert not ahead._warm_up[0].is_alive()
-    monkeypatch.setattr(ahead, "_warm_up", [])
-    monkeypatch.setattr(dispatch.torch.cuda, "is_available", lambda: False)
-    dispatch.warm_up_kernels()
-    assert ahead._warm_up == []

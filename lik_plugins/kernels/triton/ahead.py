@@ -291,35 +291,6 @@ def compile_later(kernel, device_index: int, args: tuple, meta: dict, guessed: b
     return pool.submit(_compile, kernel, device_index, args, meta)
 
 
-_warm_up: list = []
-
-
-def warm_up() -> None:
-    """Start Triton's once-per-process set-up in a background thread: its CUDA driver binding
-    (on a cold cache Triton builds a small C module with the system compiler) and the hash of
-    Triton itself that every binary's cache key includes.  In a cold PyLate step on the H200
-    machine these took 0.8-1.2 s of the first step's main thread (``benchmarks/real_loop.py
-    --profile-first-step``); the host patchers call this, so they overlap the model's loading.
-    Touches no CUDA context (a process that forks later keeps working); at most once."""
-    if _warm_up:
-        return
-    thread = threading.Thread(target=_warm, name="lik-warm-up", daemon=True)
-    _warm_up.append(thread)
-    thread.start()
-
-
-def _warm() -> None:
-    try:
-        from triton.runtime.driver import driver
-
-        driver.active.utils         # the driver's C module, built or loaded
-        from triton.runtime.cache import triton_key
-
-        triton_key()                # cached by Triton for the process
-    except Exception:   # another Triton layout, or no driver here: the first compile does it instead
-        return
-
-
 def _cancel_at_exit() -> None:
     """At interpreter exit, drop the compiles not started yet: the executors' own exit hook
     would otherwise run every queued guess before the process could end (seconds each).
