@@ -43,7 +43,6 @@ def take():
     return taken
 
 
-
 # ---------------------------------------------------------------- serving while compiling
 class NotReady(Exception):
     """Raised by a Triton launch inside :func:`deferring` code when its binary is not built
