@@ -210,11 +210,11 @@ class _MaxSim(torch.autograd.Function):
         # the backward this forward will meet: compiled beside the forward if that compiles
         token = expect(_maxsim_backward_ahead, (Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy,
                                                 ctx.needs_input_grad[0], ctx.needs_input_grad[1]), _maxsim_step_ahead)
-        deferring = defer_compiles()
+        defer_token = defer_compiles()
         try:
             scores, argmax = maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, entry)
         finally:
-            forget(deferring)
+            forget(defer_token)
             forget(token)
         ctx.save_for_backward(Q, D, argmax)
         ctx.options = (layout, normalize, strategy, q_mask is not None)
@@ -225,11 +225,11 @@ class _MaxSim(torch.autograd.Function):
         Q, D, argmax = ctx.saved_tensors
         layout, normalize, strategy, q_masked = ctx.options
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        deferring = defer_compiles()
+        defer_token = defer_compiles()
         try:
             gq, gd = maxsim_backward(grad, Q, D, argmax, layout, normalize, strategy, need_q, need_d, q_masked)
         finally:
-            forget(deferring)
+            forget(defer_token)
         return (gq if need_q else None), (gd if need_d else None), None, None, None
 
 

@@ -279,3 +279,43 @@ def test_a_training_step_runs_chunked_while_its_binaries_build(monkeypatch):
     with torch.no_grad():
         lik.maxsim(Q, D, None, dm)
     assert building["left"] == 1 and routing_counts()["maxsim"]["triton"] == 2
+
+
+def test_defer_builds_each_binary_once_and_moves_a_queued_guess_to_the_front(monkeypatch):
+    """``ahead.defer`` (a training launch that will not wait): a binary never asked for is
+    sent to the main compile pool; one still queued behind other guesses is cancelled there
+    and sent to the main pool; one already building (a guess running, or in the main pool)
+    is left alone.  Each time the forward's expectation fires, guessing only for a binary
+    no guess foresaw."""
+    from concurrent.futures import Future
+
+    for name, value in (("_asked", set()), ("_pending", {}), ("_guess_queue", set())):
+        monkeypatch.setattr(ahead, name, value)
+    submitted, fired = [], []
+
+    def compile_later(kernel, index, args, meta, guessed=False):
+        submitted.append((kernel, guessed))
+        return Future()
+
+    monkeypatch.setattr(ahead, "compile_later", compile_later)
+    monkeypatch.setattr(ahead, "fire", lambda needed, guess=None: fired.append((needed, guess)))
+    monkeypatch.setattr(ahead, "_device_index", lambda device: 0)
+    args = (torch.empty(2, 3),)
+
+    ahead.defer("fwd", args, {}, ("fwd",))                       # never asked
+    assert submitted == [("fwd", False)] and fired == [(("fwd",), True)]
+    ahead.defer("fwd", args, {}, ("fwd",))                       # building in the main pool
+    assert len(submitted) == 1 and fired[-1] == (("fwd",), False)
+
+    ahead._submit("guess", args, {}, ("guess",), 0, guessed=True)   # a guess, queued
+    assert ahead._guess_queue == {("guess",)}
+    queued = ahead._pending[("guess",)]
+    ahead.defer("guess", args, {}, ("guess",))
+    assert queued.cancelled() and submitted[-1] == ("guess", False) and ahead._guess_queue == set()
+    assert fired[-1] == (("guess",), False)                      # foreseen: no new guesses
+
+    ahead._submit("running", args, {}, ("running",), 0, guessed=True)
+    ahead._pending[("running",)].set_running_or_notify_cancel()  # the guesses' thread took it
+    count = len(submitted)
+    ahead.defer("running", args, {}, ("running",))
+    assert len(submitted) == count and not ahead._pending[("running",)].cancelled()

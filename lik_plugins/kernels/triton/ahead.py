@@ -28,8 +28,8 @@ threads against 2 with processes over two runs of each, first 10 steps equal
 Serving while compiling: inside the op layer's training ops (``expected.defer_compiles``) a
 launch whose binary is not built does not wait for it: :func:`defer` starts its build (and
 fires the forward's expectation) and the launch raises ``expected.NotReady``; the op serves that
-call on the chunked path.  A cold PyLate loop's first ten steps on the H200 machine: 5.0-6.9 s
-against 8.9-12.2 s waiting (``docs/performance-notes.md``).  ``LIK_SERVE_WHILE_COMPILING=0`` waits.
+call on the chunked path.  A cold PyLate loop's first ten steps on the H200 machine: 5.0-9.3 s
+(median 6.9 of five runs) against 8.9-12.2 s waiting (``docs/performance-notes.md``).  ``LIK_SERVE_WHILE_COMPILING=0`` waits.
 
 Nothing here can change a result: a prediction that misses (a gradient with other strides
 than the one expected, an unaligned tensor) only means the real launch compiles its own
@@ -236,15 +236,26 @@ def defer(kernel, args: tuple, meta: dict, needed: tuple) -> None:
     call on the chunked path: ``expected.NotReady``): compile it in the background, first in
     line -- a guess of it still queued behind other guesses is moved to the front -- and,
     as its compile would, fire the running forward's expectation (``fire``)."""
-    device = _device_of(args)
     unforeseen = needed not in _asked
     future = _pending.get(needed)
     if future is None or (needed in _guess_queue and future.cancel()):   # never asked, or queued behind guesses
-        _asked.add(needed)
-        _guess_queue.discard(needed)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        _pending[needed] = compile_later(kernel, index, tuple(_mock(a) for a in args), dict(meta))
+        _submit(kernel, args, meta, needed, _device_index(_device_of(args)))
     fire(needed, guess=unforeseen)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _submit(kernel, args: tuple, meta: dict, key: tuple, index: int, guessed: bool = False) -> None:
+    """Compile binary ``key`` of ``kernel`` in the background (the guesses' thread where
+    ``guessed``), noted as asked and pending."""
+    _asked.add(key)
+    _pending[key] = compile_later(kernel, index, tuple(_mock(a) for a in args), dict(meta), guessed)
+    if guessed:
+        _guess_queue.add(key)
+    else:
+        _guess_queue.discard(key)
 
 
 def _mock(arg):
@@ -260,17 +271,14 @@ def start(launches: list, device: torch.device, guessed: bool = False) -> None:
 
     if device.type != "cuda":
         return
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     for kernel, _, args, meta in launches:
         if type(kernel) is not triton.runtime.JITFunction:   # interpreter, autotuner: nothing to warm
             continue
         key = variant(kernel, args, meta)
         if key in _asked or key in launched():
             continue
-        _asked.add(key)
-        _pending[key] = compile_later(kernel, index, tuple(_mock(a) for a in args), dict(meta), guessed)
-        if guessed:
-            _guess_queue.add(key)
+        _submit(kernel, args, meta, key, index, guessed)
 
 
 def compile_later(kernel, device_index: int, args: tuple, meta: dict, guessed: bool = False) -> Future:
