@@ -201,7 +201,7 @@ def run_cell(args) -> dict:
                # (step, ms, loop seconds up to the end of the step) of each spike
                spike_steps=[(i, round(t * 1e3, 2), round(sum(times[:i + 1]), 3)) for i, t in enumerate(times)
                             if i >= 10 and t > 20 * median],
-               steps=len(times), cell_wall_s=time.perf_counter() - t_start, compiles=compiles,
+               steps=len(times), steps_s=sum(times), cell_wall_s=time.perf_counter() - t_start, compiles=compiles,
                compile_s=sum(e[2] for e in compiles if not e[3]),
                compile_caller_s=sum(e[2] for e in compiles if not e[3] and e[1] == "MainThread"))
     if args.impl.startswith("lik_plugins"):
@@ -242,17 +242,20 @@ def markdown(rows, meta) -> str:
     out = [f"# Real loops from a cold start ({meta['device']}, {meta['date']})", "",
            f"torch {meta['torch']}, triton {meta['triton']}; {meta.get('peers', '')}", "",
            f"Command: `{meta['command']}`", "",
-           "Each cell: a fresh process; `cold` = empty Triton cache, `warm` = a second process on that cache.", "",
+           "Each cell: a fresh process; `cold` = empty Triton cache, `warm` = a second process on that cache. "
+           "`set-up`: the cell's seconds outside its steps (imports, patching, building the model and data); "
+           "`process`: the whole process, interpreter start to exit.", "",
            "Triton compiles: binaries built in this process (not loaded from the disk cache) and their "
            "seconds, of which in the caller's thread (the rest in background threads, beside it); "
            "then binaries built by compile-ahead's compiler processes and their seconds.", "",
            "| loop | compile | cache | implementation | first step (s) | first 10 steps (s) | steady median (ms) "
-           "| steady max (ms) | steps > 20x median | Triton compiles: n, s (caller's) | in compiler processes: n, s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| steady max (ms) | steps > 20x median | set-up (s) | process (s) "
+           "| Triton compiles: n, s (caller's) | in compiler processes: n, s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | error: {r['error']} "
-                       "| | | | | | |")
+                       "| | | | | | | | |")
             continue
         built = [e for e in r.get("compiles", []) if not e[3]]
         compiled = f"{len(built)}, {r.get('compile_s', 0):.1f} ({r.get('compile_caller_s', 0):.1f})" if built else ""
@@ -260,8 +263,14 @@ def markdown(rows, meta) -> str:
         processes = f"{len(in_process)}, {r.get('process_compile_s', 0):.1f}" if in_process else ""
         out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | {r['first_step_s']:.2f} | "
                    f"{r['first10_s']:.2f} | {r['steady_median_ms']:.3f} | {r['steady_max_ms']:.2f} | "
-                   f"{r['spikes_over_20x']} | {compiled} | {processes} |")
+                   f"{r['spikes_over_20x']} | {_setup_s(r):.2f} | {r.get('process_s', float('nan')):.2f} | "
+                   f"{compiled} | {processes} |")
     return "\n".join(out + _spread(rows)) + "\n"
+
+
+def _setup_s(row) -> float:
+    # in-process seconds outside the steps (rows written before ``steps_s`` existed: nan)
+    return row["cell_wall_s"] - row.get("steps_s", float("nan"))
 
 
 def _spread(rows) -> list[str]:
@@ -278,11 +287,13 @@ def _spread(rows) -> list[str]:
 
     out = ["", "Over the repeats: median [min-max].", "",
            "| loop | compile | cache | implementation | runs | first step (s) | first 10 steps (s) "
-           "| steady median (ms) | steps > 20x median (total) |", "|---|---|---|---|---|---|---|---|---|"]
+           "| steady median (ms) | steps > 20x median (total) | set-up (s) | process (s) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (loop, compile_, cache, impl), rs in cells.items():
         out.append(f"| {loop} | {compile_} | {cache} | {impl} | {len(rs)} | "
                    f"{spread([r['first_step_s'] for r in rs], '.2f')} | {spread([r['first10_s'] for r in rs], '.2f')} | "
-                   f"{spread([r['steady_median_ms'] for r in rs], '.3f')} | {sum(r['spikes_over_20x'] for r in rs)} |")
+                   f"{spread([r['steady_median_ms'] for r in rs], '.3f')} | {sum(r['spikes_over_20x'] for r in rs)} | "
+                   f"{spread([_setup_s(r) for r in rs], '.2f')} | {spread([r.get('process_s', float('nan')) for r in rs], '.2f')} |")
     return out
 
 

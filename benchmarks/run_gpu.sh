@@ -78,14 +78,14 @@ if [[ $stage == realloop ]]; then
   python3 benchmarks/real_loop.py "$OUT" "$@" 2>&1 | tail -60
 fi
 if [[ $stage == coldstart ]]; then
-  # compile-ahead's GPU test, then its A/B -- compiler processes (default), threads, off, and the
-  # fastest peer -- in PyLate's loop (twice, interleaved) and in the kernel loops
+  # compile-ahead's GPU test, then its A/B -- compiler processes (default), threads, PyLate's own
+  # torch path and the fastest peer -- in PyLate's loop (twice, interleaved) and in the kernel loops
   host_env
   unset LIK_SERVE_WHILE_COMPILING
   timeout 150 python3 -m pytest -q tests/gpu/test_compile_ahead_gpu.py -p no:cacheprovider 2>&1 | tail -3
   mkdir -p "$OUT/kernel_loops" "$OUT/pylate"
-  timeout 260 python3 benchmarks/real_loop.py "$OUT/pylate" --loops pylate \
-    --impls lik_plugins,lik_plugins-thread,lik_plugins-serial,late-interaction-kernels --steps 12 --repeats 2 \
+  timeout 280 python3 benchmarks/real_loop.py "$OUT/pylate" --loops pylate \
+    --impls lik_plugins,lik_plugins-thread,torch,late-interaction-kernels --steps 12 --repeats 2 \
     --timeout 60 2>&1 | grep -v '^{'
   timeout 170 python3 benchmarks/real_loop.py "$OUT/kernel_loops" --loops fixed,vary-colbert,vary-colpali \
     --impls lik_plugins,lik_plugins-thread,late-interaction-kernels --steps 40 --timeout 60 2>&1 | grep -v '^{'

@@ -27,6 +27,7 @@ import threading
 import torch
 
 from .._patching import PatchLedger
+from ..kernels.dispatch import warm_up
 from .._routing import record
 from .._config import disabled
 from . import _scores as sc
@@ -281,7 +282,8 @@ def patch_colpali_engine() -> str:
             _ledger.revert()
             raise
         _generation = gen
-        return gen.name
+    warm_up()
+    return gen.name
 
 
 def unpatch_colpali_engine() -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .._patching import PatchLedger, instance_slot_property, lookalike
+from ..kernels.dispatch import warm_up
 from . import _scores
 
 SIMILARITY = "sentence_transformers.util.similarity"
@@ -203,7 +204,8 @@ def patch_sentence_transformers() -> STLayout:
         _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
         _apply(layout, _served)
         _current = layout
-        return layout
+    warm_up()
+    return layout
 
 
 def unpatch_sentence_transformers() -> None:

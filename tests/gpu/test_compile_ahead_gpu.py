@@ -27,6 +27,14 @@ STEP = textwrap.dedent("""
         events.append([getattr(src, "name", str(src)), threading.current_thread().name, bool(cache_hit)])
     triton.knobs.compilation.listener = listen
     import lik_plugins as lik
+    if len(sys.argv) > 2:       # what the host patchers start, first (lik.warm_up)
+        from triton.runtime.cache import triton_key
+        from triton.runtime.driver import driver
+        from lik_plugins.kernels.triton import ahead
+        lik.warm_up()
+        ahead.settle()
+        print("WARM " + json.dumps([torch.cuda.is_initialized(), driver._default is not None,
+                                    triton_key.cache_info().currsize, sum(p.alive() for p in ahead._spare)]))
     g = torch.Generator(device="cuda").manual_seed(0)
     Q = F.normalize(torch.randn(64, 32, 128, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
     D = F.normalize(torch.randn(64, 300, 128, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
@@ -48,23 +56,30 @@ STEP = textwrap.dedent("""
 """)
 
 
-def _fresh_step(mode: str, grads_path: str) -> tuple[list, list, list, list]:
+def _fresh_step(mode: str, grads_path: str, warm_up: bool = False) -> tuple[list, list, list, list]:
     """Compiles in this process (not cache hits), loads from the disk cache, the binaries
-    built by compiler processes, and the path that served each of the two steps."""
+    built by compiler processes, and the path that served each of the two steps; with
+    ``warm_up``, ``lik.warm_up()`` first (checked: no CUDA context, Triton's driver binding
+    and hash done, a live compiler process per compile thread in process mode)."""
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache, LIK_COMPILE_AHEAD=mode, LIK_SERVE_WHILE_COMPILING="1")
         env.pop("TRITON_INTERPRET", None)
-        done = subprocess.run([sys.executable, "-c", STEP, grads_path], env=env, capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([sys.executable, "-c", STEP, grads_path] + (["warm"] if warm_up else []), env=env,
+                              capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    if warm_up:
+        from lik_plugins.kernels.triton.ahead import WORKERS
+
+        warm = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("WARM "))[5:])
+        assert warm == [False, True, 1, WORKERS + 1 if mode == "process" else 0], warm
     lines = dict(l.split(" ", 1) for l in done.stdout.splitlines() if l.startswith(("EVENTS ", "PROCESS ", "SERVED ")))
     events, process, served = (json.loads(lines[k]) for k in ("EVENTS", "PROCESS", "SERVED"))
     return [e for e in events if not e[2]], [e for e in events if e[2]], process, served
 
 
-@pytest.mark.parametrize("mode", ["process", "thread"])
-def test_a_cold_step_runs_chunked_while_every_kernel_builds_in_the_background(tmp_path, mode):
-    events, loads, process, served = _fresh_step(mode, str(tmp_path / "ahead.pt"))
+@pytest.mark.parametrize("mode,warm_up", [("process", False), ("thread", False), ("process", True)])
+def test_a_cold_step_runs_chunked_while_every_kernel_builds_in_the_background(tmp_path, mode, warm_up):
+    events, loads, process, served = _fresh_step(mode, str(tmp_path / "ahead.pt"), warm_up)
     assert served == [{"torch-chunked": 1}, {"triton": 1}], served
     # no binary built in the caller's or autograd's thread: the forward's neither
     elsewhere = [(name, thread) for name, thread, _ in events if not thread.startswith("lik-compile")]

@@ -90,3 +90,72 @@ def test_the_process_imports_no_torch_for_the_training_kernels():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+WARM_UP = textwrap.dedent("""
+    import json, sys, threading
+    from lik_plugins.kernels.triton import ahead
+    from lik_plugins.kernels.triton.launcher_check import self_check_kernel
+    from triton.backends.compiler import GPUTarget
+    sys.path.insert(0, sys.argv[1])
+    from sm90_compile import specialisation
+
+    ahead.warm_up()
+    ahead.warm_up()
+    threads = [t.name for t in threading.enumerate() if t.name == "lik-warm-up"]
+    ahead.settle()
+    report = dict(threads=threads, alive_after_settle=ahead._warm_up[0].is_alive(), spare=len(ahead._spare),
+                  spare_alive=sum(p.alive() for p in ahead._spare), workers=ahead.WORKERS)
+    dead = ahead._spare[-1]
+    dead.process.kill()
+    dead.process.wait()                     # a spare that died is skipped
+    taken = ahead._compiler_process()
+    report["took_a_live_spare"] = taken is not dead and taken.alive()
+    report["spare_left"] = len(ahead._spare)
+    signature, constants = specialisation(self_check_kernel, {"BLOCK": 64}, {"X": "*fp32", "OUT": "*fp32", "scale": "fp32"})
+    attrs = {(0,): [("tt.divisibility", 16)], (1,): [("tt.divisibility", 16)]}
+    report["compiled"] = list(taken.compile((self_check_kernel.fn.__module__, "self_check_kernel",
+                                             self_check_kernel.cache_key, signature, constants, attrs,
+                                             {"num_warps": 4}, GPUTarget("cuda", 90, 32))))[::2]
+    print("REPORT " + json.dumps(report))
+""")
+
+
+def test_warm_up_starts_the_compiler_processes_once_and_a_thread_takes_a_live_one(tmp_path):
+    """``ahead.warm_up`` (what the host patchers start): one background thread per process,
+    one compiler process per compile thread started ahead; a compile thread takes a live one
+    (a dead one is skipped) and it compiles.  Triton's driver binding fails here (no GPU):
+    swallowed, the thread ends."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), LIK_COMPILE_AHEAD="process")
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", WARM_UP, here], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    report = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("REPORT "))[7:])
+    assert report["threads"] == ["lik-warm-up"]
+    assert not report["alive_after_settle"]
+    assert report["spare"] == report["spare_alive"] == report["workers"] + 1
+    assert report["took_a_live_spare"]
+    assert report["spare_left"] == report["workers"] - 1       # the dead one dropped, the live one taken
+    assert report["compiled"] == [True, None], report["compiled"]
+
+
+def test_a_compiler_process_preloads_the_training_kernels_without_torch():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; from lik_plugins.kernels.triton import compile_worker as w; w.preload(); "
+            "print(all(m in sys.modules for m in w.PRELOADED), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"]
+
+
+def test_the_public_warm_up_starts_nothing_without_a_cuda_device():
+    code = ("import lik_plugins; lik_plugins.warm_up(); from lik_plugins.kernels.triton import ahead; "
+            "print(len(ahead._warm_up), len(ahead._spare))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["0", "0"]

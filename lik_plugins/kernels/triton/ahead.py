@@ -284,6 +284,7 @@ def start(launches: list, device: torch.device, guessed: bool = False) -> None:
 def compile_later(kernel, device_index: int, args: tuple, meta: dict, guessed: bool = False) -> Future:
     """Compile ``kernel`` for ``args`` as Triton's warm-up takes them (tensors as dtypes) in
     a background thread; the binary lands in the JIT's cache for device ``device_index``."""
+    settle()
     # the JIT's per-device cache is created lazily by a defaultdict: create it here, in
     # one thread, so a worker's binary lands in the table the caller will look in
     kernel.device_caches[device_index]
@@ -299,6 +300,69 @@ def compile_later(kernel, device_index: int, args: tuple, meta: dict, guessed: b
     return pool.submit(_compile, kernel, device_index, args, meta)
 
 
+# ------------------------------------------------------------------------- warm-up
+_warm_up: list = []             # [the warm-up thread], once started
+_spare: list = []               # compiler processes started ahead, not yet taken by a compile thread
+_spare_lock = threading.Lock()
+
+
+def warm_up() -> None:
+    """Start a process's one-time Triton set-up in a background thread, before the first
+    call needs it: the compiler processes (``LIK_COMPILE_AHEAD=process``; each imports
+    Triton and our kernels as it starts), Triton's CUDA driver binding (on a cold cache
+    Triton builds a small C module with the system compiler) and the hash of Triton itself
+    that every binary's cache key includes.  On a cold PyLate step on the H200 machine the
+    last two took 0.8 s of the first step's main thread, and each compiler process's start
+    delayed its first binary (``benchmarks/real_loop.py --profile-first-step``).  The host
+    patchers call this, so it overlaps loading the model.  Touches no CUDA context (a process
+    that forks later keeps working); at most once per process; never raises."""
+    if _warm_up:
+        return
+    thread = threading.Thread(target=_warm, name="lik-warm-up", daemon=True)
+    _warm_up.append(thread)
+    thread.start()
+
+
+def _warm() -> None:
+    try:
+        if compile_ahead_mode() == "process":
+            from .compile_worker import CompilerProcess
+
+            # one per compile thread (the guesses' thread included); started first, they
+            # import while this thread builds the driver binding and hashes Triton
+            with _spare_lock:
+                while len(_spare) < WORKERS + 1:
+                    _spare.append(CompilerProcess())
+        from triton.runtime.driver import driver
+
+        driver.active.utils         # the driver's C module, built or loaded
+        from triton.runtime.cache import triton_key
+
+        triton_key()                # cached by Triton for the process
+    except Exception:   # another Triton layout, no driver here: the first compile does it instead
+        return
+
+
+def settle() -> None:
+    """Wait for a warm-up in progress (:func:`warm_up`): what it does, a first compile would
+    otherwise do a second time beside it (Triton's driver binding is not built under a lock)."""
+    if _warm_up and _warm_up[0].is_alive():
+        _warm_up[0].join()
+
+
+def _compiler_process():
+    """A compiler process for this compile thread: one started ahead, else a new one."""
+    from .compile_worker import CompilerProcess
+
+    with _spare_lock:
+        while _spare:
+            process = _spare.pop()
+            if process.alive():
+                return process
+            process.close()
+    return CompilerProcess()
+
+
 def _cancel_at_exit() -> None:
     """At interpreter exit, drop the compiles not started yet: the executors' own exit hook
     would otherwise run every queued guess before the process could end (seconds each).
@@ -307,7 +371,7 @@ def _cancel_at_exit() -> None:
     def cancel():
         for pool in list(_pools.values()):
             pool.shutdown(wait=False, cancel_futures=True)
-        for process in list(_processes):
+        for process in list(_processes) + _spare:
             process.close()
 
     register = getattr(threading, "_register_atexit", None)   # CPython 3.9+: before thread joins
@@ -402,8 +466,6 @@ def options_from_json(options: dict) -> dict:
 def _compile_in_process(kernel, device_index, args, meta) -> None:
     """Have this thread's compiler process build the binary into the disk cache.  Any
     failure leaves the compile to the caller's ``warmup``, in this thread."""
-    from .compile_worker import CompilerProcess
-
     if len(_dead) >= MAX_DEAD_PROCESSES:
         return
     try:
@@ -414,7 +476,7 @@ def _compile_in_process(kernel, device_index, args, meta) -> None:
         if process is None or not process.alive():
             if process is not None:
                 _dead.append(process)
-            process = _local.process = CompilerProcess()
+            process = _local.process = _compiler_process()
             _processes.append(process)
         ok, seconds, error = process.compile(request)
         _process_log.append((kernel.fn.__name__, seconds, ok, error))

@@ -68,6 +68,29 @@ def compile_one(module: str, name: str, cache_key: str, signature: dict, constan
     triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options)
 
 
+# Imported as a process starts (before its first request): the kernels of a training step
+# and Triton's compiler, and Triton's own hash computed -- none of them import torch.  Other
+# kernels' modules are imported by their first request.
+PRELOADED = ("lik_plugins.kernels.triton.forward", "lik_plugins.kernels.triton.backward",
+             "lik_plugins.kernels.triton.launcher_check")
+
+
+def preload() -> None:
+    """Import what most requests need while the parent has not sent one yet (a compiler
+    process started ahead by ``ahead.warm_up``); a failure is left to the request's own import."""
+    import importlib
+
+    try:
+        import triton.compiler  # noqa: F401
+        from triton.runtime.cache import triton_key
+
+        for module in PRELOADED:
+            importlib.import_module(module)
+        triton_key()
+    except Exception:
+        return
+
+
 def serve(requests, replies) -> int:
     while True:
         request = _receive(requests)
@@ -119,4 +142,5 @@ class CompilerProcess:
 if __name__ == "__main__":
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout = sys.stderr     # nothing but replies on the reply channel
+    preload()
     sys.exit(serve(sys.stdin.buffer, replies))
