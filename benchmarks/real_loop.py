@@ -97,8 +97,10 @@ def _kernel_loop(args) -> list[float]:
 
     if args.compile:
         step = torch.compile(step)
-    times = []
-    for _ in range(args.steps):
+    times, settled = [], None
+    while settled is None or len(times) - settled < args.steps - 10:
+        if settled is None and len(times) >= 10 and sum(times) >= args.settle_s:
+            settled = len(times)
         lq, ld = lengths()
         Q = torch.nn.functional.normalize(torch.randn(batch, lq, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
         D = torch.nn.functional.normalize(torch.randn(batch, ld, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
@@ -110,7 +112,7 @@ def _kernel_loop(args) -> list[float]:
         _profiled(len(times), args, lambda: step(Q, D, dm))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times
+    return times, settled
 
 
 def _profiled(i: int, args, fn):
@@ -166,7 +168,7 @@ def _pylate_loop(args) -> list[float]:
             _profiled(i, args, lambda: pylate_e2e.train_step(loss, opt, feats))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times
+    return times, 10
 
 
 def _listen_to_compiles() -> list:
@@ -192,12 +194,15 @@ def _listen_to_compiles() -> list:
 def run_cell(args) -> dict:
     t_start = time.perf_counter()
     compiles = _listen_to_compiles() if args.impl != "torch" else []
-    times = _pylate_loop(args) if args.loop == "pylate" else _kernel_loop(args)
-    steady = times[10:] or times
+    times, settled = _pylate_loop(args) if args.loop == "pylate" else _kernel_loop(args)
+    steady = times[settled:] or times
     median = statistics.median(steady)
+    after_10th = times[10:] or times
     row = dict(loop=args.loop, impl=args.impl, compile=bool(args.compile), cache=args.cache,
                first_step_s=times[0], first10_s=sum(times[:10]), steady_median_ms=median * 1e3,
-               steady_max_ms=max(steady) * 1e3, spikes_over_20x=sum(t > 20 * median for t in steady),
+               steady_max_ms=max(steady) * 1e3, steady_from_step=settled, steady_from_s=sum(times[:settled]),
+               # spikes: every step after the 10th, the settling ones included
+               spikes_over_20x=sum(t > 20 * median for t in after_10th),
                # (step, ms, loop seconds up to the end of the step) of each spike
                spike_steps=[(i, round(t * 1e3, 2), round(sum(times[:i + 1]), 3)) for i, t in enumerate(times)
                             if i >= 10 and t > 20 * median],
@@ -216,13 +221,14 @@ def run_cell(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout):
+def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout, settle_s=0.0):
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
     env.pop("LIK_DISABLE", None)
     if impl in AHEAD_MODE:
         env["LIK_COMPILE_AHEAD"] = AHEAD_MODE[impl]
     cmd = [sys.executable, os.path.abspath(__file__), "--cell", "--loop", loop, "--impl", impl,
-           "--steps", str(steps), "--cache", cache_label] + (["--compile"] if compile_ else [])
+           "--steps", str(steps), "--cache", cache_label, "--settle-s", str(settle_s)] + \
+        (["--compile"] if compile_ else [])
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -238,24 +244,54 @@ def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout):
                 error=(done.stderr.strip().splitlines() or ["no output"])[-1][:300])
 
 
+PRIME = """
+import tempfile, os, torch, triton, triton.language as tl
+@triton.jit
+def _double(x, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x + o, tl.load(x + o, mask=o < n) * 2, mask=o < n)
+x = torch.ones(100, device="cuda")
+_double[(1,)](x, 100, BLOCK=128)
+torch.cuda.synchronize()
+"""
+
+
+def prime() -> float:
+    """One untimed process that compiles and runs a Triton kernel on a throwaway cache before
+    the cells: on a fresh machine the first process to use Triton also reads its libraries,
+    the system compiler and ptxas from a cold disk (the first cell of a run was 2-4 s slower
+    on its first step than the same cell repeated, whatever the implementation), which would
+    otherwise land on whichever cell runs first.  Returns its seconds."""
+    with tempfile.TemporaryDirectory() as cache:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", PRIME], env=dict(os.environ, TRITON_CACHE_DIR=cache),
+                       capture_output=True, timeout=300)
+        return time.perf_counter() - t0
+
+
 def markdown(rows, meta) -> str:
     out = [f"# Real loops from a cold start ({meta['device']}, {meta['date']})", "",
            f"torch {meta['torch']}, triton {meta['triton']}; {meta.get('peers', '')}", "",
            f"Command: `{meta['command']}`", "",
            "Each cell: a fresh process; `cold` = empty Triton cache, `warm` = a second process on that cache. "
            "`set-up`: the cell's seconds outside its steps (imports, patching, building the model and data); "
-           "`process`: the whole process, interpreter start to exit.", "",
+           "`process`: the whole process, interpreter start to exit. Before the cells, one untimed process "
+           f"ran a Triton kernel on a throwaway cache ({meta.get('prime_s', float('nan')):.1f} s; `nan`: not run), "
+           "so no cell pays the machine's cold disk for the others.", "",
+           *([f"Steady: the steps after {meta['settle_s']:g} s of steps (and after the 10th), column "
+              "`steady from`: that step and the loop's seconds before it. Spikes count every step after the 10th.",
+              ""] if meta.get("settle_s") else []),
            "Triton compiles: binaries built in this process (not loaded from the disk cache) and their "
            "seconds, of which in the caller's thread (the rest in background threads, beside it); "
            "then binaries built by compile-ahead's compiler processes and their seconds.", "",
            "| loop | compile | cache | implementation | first step (s) | first 10 steps (s) | steady median (ms) "
-           "| steady max (ms) | steps > 20x median | set-up (s) | process (s) "
+           "| steady max (ms) | steady from: step (s) | steps > 20x median | set-up (s) | process (s) "
            "| Triton compiles: n, s (caller's) | in compiler processes: n, s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | error: {r['error']} "
-                       "| | | | | | | | |")
+                       "| | | | | | | | | |")
             continue
         built = [e for e in r.get("compiles", []) if not e[3]]
         compiled = f"{len(built)}, {r.get('compile_s', 0):.1f} ({r.get('compile_caller_s', 0):.1f})" if built else ""
@@ -263,6 +299,7 @@ def markdown(rows, meta) -> str:
         processes = f"{len(in_process)}, {r.get('process_compile_s', 0):.1f}" if in_process else ""
         out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | {r['first_step_s']:.2f} | "
                    f"{r['first10_s']:.2f} | {r['steady_median_ms']:.3f} | {r['steady_max_ms']:.2f} | "
+                   f"{r.get('steady_from_step', 10)} ({r.get('steady_from_s', r['first10_s']):.2f}) | "
                    f"{r['spikes_over_20x']} | {_setup_s(r):.2f} | {r.get('process_s', float('nan')):.2f} | "
                    f"{compiled} | {processes} |")
     return "\n".join(out + _spread(rows)) + "\n"
@@ -332,6 +369,11 @@ def main() -> int:
                    help="run every cell this many times (fresh caches); the Markdown adds median [min-max]")
     p.add_argument("--profile-first-step", action="store_true",
                    help="write each cell's first step under cProfile to OUT/first_step_<loop>_<impl>_<cache>.txt")
+    p.add_argument("--settle-s", type=float, default=0.0,
+                   help="kernel loops: the steady window starts at the first step after this many seconds of "
+                        "steps (and after the 10th); --steps - 10 steady steps are measured from there")
+    p.add_argument("--no-prime", action="store_true",
+                   help="skip the untimed process that runs Triton once before the cells")
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--loop", choices=LOOPS)
     p.add_argument("--impl", choices=IMPLS + EXTRA_IMPLS)
@@ -344,6 +386,9 @@ def main() -> int:
     if args.profile_first_step:
         os.environ["REAL_LOOP_PROFILE"] = os.path.abspath(args.out_dir)   # the cells inherit it
     meta = environment()
+    if not args.no_prime:
+        meta["prime_s"] = prime()
+    meta["settle_s"] = args.settle_s
     rows = []
     for loop in args.loops.split(","):
         for compile_ in ([True] if args.compile_only else [False, True] if args.compile else [False]):
@@ -355,7 +400,7 @@ def main() -> int:
                     with tempfile.TemporaryDirectory() as cache:
                         labels = ["cold", "warm"] if args.warm else ["cold"]
                         for label in labels:
-                            row = _spawn(loop, impl, compile_, cache, label, args.steps, args.timeout)
+                            row = _spawn(loop, impl, compile_, cache, label, args.steps, args.timeout, args.settle_s)
                             row["repeat"] = repeat
                             rows.append(row)
                             print(json.dumps({k: v for k, v in row.items() if k not in ("variants", "compiles")}),
