@@ -97,10 +97,11 @@ def _kernel_loop(args) -> list[float]:
 
     if args.compile:
         step = torch.compile(step)
-    times, settled = [], None
+    times, settled, settled_after_s, loop_start = [], None, None, time.perf_counter()
     while settled is None or len(times) - settled < args.steps - 10:
-        if settled is None and len(times) >= 10 and sum(times) >= args.settle_s:
+        if settled is None and len(times) >= 10 and time.perf_counter() - loop_start >= args.settle_s:
             settled = len(times)
+            settled_after_s = time.perf_counter() - loop_start
         lq, ld = lengths()
         Q = torch.nn.functional.normalize(torch.randn(batch, lq, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
         D = torch.nn.functional.normalize(torch.randn(batch, ld, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
@@ -112,7 +113,7 @@ def _kernel_loop(args) -> list[float]:
         _profiled(len(times), args, lambda: step(Q, D, dm))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times, settled
+    return times, settled, settled_after_s
 
 
 def _profiled(i: int, args, fn):
@@ -168,7 +169,7 @@ def _pylate_loop(args) -> list[float]:
             _profiled(i, args, lambda: pylate_e2e.train_step(loss, opt, feats))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times, 10
+    return times, 10, None
 
 
 def _listen_to_compiles() -> list:
@@ -194,13 +195,14 @@ def _listen_to_compiles() -> list:
 def run_cell(args) -> dict:
     t_start = time.perf_counter()
     compiles = _listen_to_compiles() if args.impl != "torch" else []
-    times, settled = _pylate_loop(args) if args.loop == "pylate" else _kernel_loop(args)
+    times, settled, settled_after_s = _pylate_loop(args) if args.loop == "pylate" else _kernel_loop(args)
     steady = times[settled:] or times
     median = statistics.median(steady)
     after_10th = times[10:] or times
     row = dict(loop=args.loop, impl=args.impl, compile=bool(args.compile), cache=args.cache,
                first_step_s=times[0], first10_s=sum(times[:10]), steady_median_ms=median * 1e3,
-               steady_max_ms=max(steady) * 1e3, steady_from_step=settled, steady_from_s=sum(times[:settled]),
+               steady_max_ms=max(steady) * 1e3, steady_from_step=settled,
+               steady_from_s=sum(times[:settled]) if settled_after_s is None else settled_after_s,
                # spikes: every step after the 10th, the settling ones included
                spikes_over_20x=sum(t > 20 * median for t in after_10th),
                # (step, ms, loop seconds up to the end of the step) of each spike
@@ -278,8 +280,9 @@ def markdown(rows, meta) -> str:
            "`process`: the whole process, interpreter start to exit. Before the cells, one untimed process "
            f"ran a Triton kernel on a throwaway cache ({meta.get('prime_s', float('nan')):.1f} s; `nan`: not run), "
            "so no cell pays the machine's cold disk for the others.", "",
-           *([f"Steady: the steps after {meta['settle_s']:g} s of steps (and after the 10th), column "
-              "`steady from`: that step and the loop's seconds before it. Spikes count every step after the 10th.",
+           *([f"Steady: the steps from {meta['settle_s']:g} s after the loop began (wall clock, and after the 10th "
+              "step), column `steady from`: that step and the loop's seconds before it. Spikes count every step "
+              "after the 10th.",
               ""] if meta.get("settle_s") else []),
            "Triton compiles: binaries built in this process (not loaded from the disk cache) and their "
            "seconds, of which in the caller's thread (the rest in background threads, beside it); "
@@ -370,8 +373,9 @@ def main() -> int:
     p.add_argument("--profile-first-step", action="store_true",
                    help="write each cell's first step under cProfile to OUT/first_step_<loop>_<impl>_<cache>.txt")
     p.add_argument("--settle-s", type=float, default=0.0,
-                   help="kernel loops: the steady window starts at the first step after this many seconds of "
-                        "steps (and after the 10th); --steps - 10 steady steps are measured from there")
+                   help="kernel loops: the steady window starts at the first step this many seconds after the "
+                        "loop began (wall clock, making each step's data included; and after the 10th step); "
+                        "--steps - 10 steady steps are measured from there")
     p.add_argument("--no-prime", action="store_true",
                    help="skip the untimed process that runs Triton once before the cells")
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
@@ -394,9 +398,11 @@ def main() -> int:
         for compile_ in ([True] if args.compile_only else [False, True] if args.compile else [False]):
             if compile_ and loop == "pylate":
                 continue  # the encoder under torch.compile is the encoder's story, not ours
-            # repeats interleave the implementations, so a drift of the host hits them alike
+            # repeats interleave the implementations, so a drift of the host hits them alike, and
+            # rotate their order, so none always runs first
+            impls = args.impls.split(",")
             for repeat in range(args.repeats):
-                for impl in args.impls.split(","):
+                for impl in impls[repeat % len(impls):] + impls[:repeat % len(impls)]:
                     with tempfile.TemporaryDirectory() as cache:
                         labels = ["cold", "warm"] if args.warm else ["cold"]
                         for label in labels:

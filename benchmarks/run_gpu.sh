@@ -26,18 +26,23 @@ export PYTHONUNBUFFERED=1
 # default, serving while compiling, as users meet it).
 export LIK_SERVE_WHILE_COMPILING=0
 if ls .whl/late_interaction_kernels-*.whl >/dev/null 2>&1; then
+  # byte-compiled at install, as pip does by default: otherwise the first process to import a
+  # module (often a cold-start cell's first step, through lazy imports) compiles it for the rest
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peers \
     .whl/late_interaction_kernels-*.whl .whl/flash_maxsim-*.whl || exit 1
+  python3 -m compileall -q -j 0 /tmp/peers > /dev/null
   export PYTHONPATH=/tmp/peers:$PWD
 else
   export PYTHONPATH=$PWD
 fi
+python3 -m compileall -q -j 0 lik_plugins benchmarks > /dev/null   # as an installed package is
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
 # hosts: PyLate 1.6.0 / colpali-engine 0.3.18 with the transformers / sentence-transformers they pin
 host_env() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hosts .whl/*.whl || exit 1
+  python3 -m compileall -q -j 0 /tmp/hosts > /dev/null
   export PYTHONPATH=/tmp/hosts:$PWD HF_HUB_OFFLINE=1
 }
 
