@@ -258,17 +258,21 @@ torch.cuda.synchronize()
 """
 
 
-def prime() -> float:
-    """One untimed process that compiles and runs a Triton kernel on a throwaway cache before
-    the cells: on a fresh machine the first process to use Triton also reads its libraries,
-    the system compiler and ptxas from a cold disk (the first cell of a run was 2-4 s slower
-    on its first step than the same cell repeated, whatever the implementation), which would
-    otherwise land on whichever cell runs first.  Returns its seconds."""
+def prime(loops: list[str], timeout: float) -> float:
+    """Untimed processes before the cells: one compiles and runs a Triton kernel on a
+    throwaway cache and, where the PyLate loop is asked for, two steps of it on PyLate's torch
+    path.  On a fresh machine the first process to use Triton, or cuDNN's attention and the
+    encoder's libraries, reads them from a cold disk: the first PyLate cell of a run, whichever
+    implementation, took 2-4 s more on its first step than the same cell repeated (its
+    attention calls 1.25 s against 0.13-0.17 s, cProfile), which would otherwise land on
+    whichever cell runs first.  Returns their seconds."""
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as cache:
-        t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", PRIME], env=dict(os.environ, TRITON_CACHE_DIR=cache),
                        capture_output=True, timeout=300)
-        return time.perf_counter() - t0
+        if "pylate" in loops:
+            _spawn("pylate", "torch", False, cache, "prime", 2, timeout)
+    return time.perf_counter() - t0
 
 
 def markdown(rows, meta) -> str:
@@ -276,9 +280,10 @@ def markdown(rows, meta) -> str:
            f"torch {meta['torch']}, triton {meta['triton']}; {meta.get('peers', '')}", "",
            f"Command: `{meta['command']}`", "",
            "Each cell: a fresh process; `cold` = empty Triton cache, `warm` = a second process on that cache. "
-           "`set-up`: the cell's seconds outside its steps (imports, patching, building the model and data); "
+           "`set-up`: the cell's seconds outside its steps (imports, patching, building the model, each step's data); "
            "`process`: the whole process, interpreter start to exit. Before the cells, one untimed process "
-           f"ran a Triton kernel on a throwaway cache ({meta.get('prime_s', float('nan')):.1f} s; `nan`: not run), "
+           f"ran a Triton kernel on a throwaway cache and, for the PyLate loop, two of its steps on PyLate's torch "
+           f"path ({meta.get('prime_s', float('nan')):.1f} s; `nan`: not run), "
            "so no cell pays the machine's cold disk for the others.", "",
            *([f"Steady: the steps from {meta['settle_s']:g} s after the loop began (wall clock, and after the 10th "
               "step), column `steady from`: that step and the loop's seconds before it. Spikes count every step "
@@ -391,7 +396,7 @@ def main() -> int:
         os.environ["REAL_LOOP_PROFILE"] = os.path.abspath(args.out_dir)   # the cells inherit it
     meta = environment()
     if not args.no_prime:
-        meta["prime_s"] = prime()
+        meta["prime_s"] = prime(args.loops.split(","), args.timeout)
     meta["settle_s"] = args.settle_s
     rows = []
     for loop in args.loops.split(","):
