@@ -134,6 +134,8 @@ def _profiled(i: int, args, fn):
         stats = pstats.Stats(prof, stream=text)
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats(40)
+        # who built a launcher, loaded a module or hashed a kernel's source in this thread
+        stats.print_callers("_init_handles|compile_module_from_src|cache_key|_self_check")
         name = f"first_step_{args.loop}_{args.impl}_{args.cache}{'_compiled' if args.compile else ''}.txt"
         with open(os.path.join(folder, name), "w") as f:
             f.write(text.getvalue())
