@@ -102,6 +102,7 @@ def _kernel_loop(args) -> list[float]:
         if settled is None and len(times) >= 10 and time.perf_counter() - loop_start >= args.settle_s:
             settled = len(times)
             settled_after_s = time.perf_counter() - loop_start
+            g.manual_seed(1)    # every implementation's steady window: the same lengths and data
         lq, ld = lengths()
         Q = torch.nn.functional.normalize(torch.randn(batch, lq, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
         D = torch.nn.functional.normalize(torch.randn(batch, ld, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
@@ -110,17 +111,19 @@ def _kernel_loop(args) -> list[float]:
         D.requires_grad_()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        _profiled(len(times), args, lambda: step(Q, D, dm))
+        _profiled(len(times), args, lambda: step(Q, D, dm), first_steady=len(times) == settled)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return times, settled, settled_after_s
 
 
-def _profiled(i: int, args, fn):
-    """``fn()``; the cell's first step under cProfile where ``--profile-first-step`` asked
-    (``REAL_LOOP_PROFILE``: the folder its text goes to, top functions by own and total time)."""
-    folder = os.environ.get("REAL_LOOP_PROFILE")
-    if i or not folder:
+def _profiled(i: int, args, fn, first_steady: bool = False):
+    """``fn()``; under cProfile where asked (``REAL_LOOP_PROFILE``: the folder its text goes
+    to, top functions by own and total time; Python 3.12's profiler sees every thread): the
+    cell's first step (``--profile-first-step``), its first steady step (``--profile-steady``)."""
+    folder, asked = os.environ.get("REAL_LOOP_PROFILE"), os.environ.get("REAL_LOOP_PROFILE_WHICH", "").split(",")
+    which = "first" if i == 0 and "first" in asked else "steady" if first_steady and "steady" in asked else None
+    if which is None or not folder:
         return fn()
     import cProfile
     import io
@@ -136,7 +139,7 @@ def _profiled(i: int, args, fn):
         stats.sort_stats("cumulative").print_stats(40)
         # who built a launcher, loaded a module or hashed a kernel's source in this thread
         stats.print_callers("_init_handles|compile_module_from_src|cache_key|_self_check")
-        name = f"first_step_{args.loop}_{args.impl}_{args.cache}{'_compiled' if args.compile else ''}.txt"
+        name = f"{which}_step_{args.loop}_{args.impl}_{args.cache}{'_compiled' if args.compile else ''}.txt"
         with open(os.path.join(folder, name), "w") as f:
             f.write(text.getvalue())
 
@@ -273,7 +276,9 @@ def prime(loops: list[str], timeout: float) -> float:
         subprocess.run([sys.executable, "-c", PRIME], env=dict(os.environ, TRITON_CACHE_DIR=cache),
                        capture_output=True, timeout=300)
         if "pylate" in loops:
+            saved = {k: os.environ.pop(k) for k in ("REAL_LOOP_PROFILE", "REAL_LOOP_PROFILE_WHICH") if k in os.environ}
             _spawn("pylate", "torch", False, cache, "prime", 2, timeout)
+            os.environ.update(saved)
     return time.perf_counter() - t0
 
 
@@ -379,6 +384,9 @@ def main() -> int:
                    help="run every cell this many times (fresh caches); the Markdown adds median [min-max]")
     p.add_argument("--profile-first-step", action="store_true",
                    help="write each cell's first step under cProfile to OUT/first_step_<loop>_<impl>_<cache>.txt")
+    p.add_argument("--profile-steady", action="store_true",
+                   help="kernel loops: write each cell's first steady step under cProfile to "
+                        "OUT/steady_step_<loop>_<impl>_<cache>.txt (with --profile-first-step: the first step too)")
     p.add_argument("--settle-s", type=float, default=0.0,
                    help="kernel loops: the steady window starts at the first step this many seconds after the "
                         "loop began (wall clock, making each step's data included; and after the 10th step); "
@@ -394,8 +402,10 @@ def main() -> int:
         print("RESULT " + json.dumps(run_cell(args)), flush=True)
         return 0
     os.makedirs(args.out_dir, exist_ok=True)
-    if args.profile_first_step:
+    if args.profile_first_step or args.profile_steady:
         os.environ["REAL_LOOP_PROFILE"] = os.path.abspath(args.out_dir)   # the cells inherit it
+        os.environ["REAL_LOOP_PROFILE_WHICH"] = ",".join(
+            w for w, on in (("first", args.profile_first_step), ("steady", args.profile_steady)) if on)
     meta = environment()
     if not args.no_prime:
         meta["prime_s"] = prime(args.loops.split(","), args.timeout)
