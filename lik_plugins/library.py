@@ -102,7 +102,8 @@ def _score_dtype(Q: torch.Tensor) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- hard max
-def _maxsim_forward_fake(Q, D, q_mask, d_mask, layout, normalize, zero_mode, save_argmax, entry):
+def _maxsim_forward_fake(Q, D, q_mask, d_mask, layout, normalize, zero_mode, save_argmax, entry, strategy, need_q,
+                         need_d):
     shape, nj, ld = _shape_of_scores(Q, D, layout)
     scores = Q.new_empty(shape, dtype=_score_dtype(Q))
     if not save_argmax:
@@ -114,10 +115,21 @@ def _maxsim_forward_fake(Q, D, q_mask, d_mask, layout, normalize, zero_mode, sav
 def maxsim_forward(
     Q: torch.Tensor, D: torch.Tensor, q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor],
     layout: int, normalize: bool, zero_mode: bool, save_argmax: bool, entry: str,
+    strategy: str, need_q: bool, need_d: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MaxSim scores and, when ``save_argmax``, the winners ``[Nq, NJ, Lq]`` (-1: none).
-    Pairs (``layout == PAIRS``) score ``D [B, Ld, d]`` as one candidate per query."""
+    Pairs (``layout == PAIRS``) score ``D [B, Ld, d]`` as one candidate per query.
+
+    ``save_argmax``: a training forward, whose backward (``maxsim_backward`` with ``strategy``,
+    ``need_q``, ``need_d``) will follow -- in eager code or in a compiled graph alike: that
+    backward's kernels compile beside this forward's if it compiles, and a binary not built
+    yet is served on the chunked path meanwhile (``kernels/triton/ahead.py``)."""
     path = _path(Q, "maxsim", "")
+    ahead = defer = None
+    if save_argmax:
+        ahead = expect(_maxsim_backward_ahead, (Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q,
+                                                need_d), _maxsim_step_ahead)
+        defer = defer_compiles()
     if layout == PAIRS:
         D = D.unsqueeze(1)
         d_mask = None if d_mask is None else d_mask.unsqueeze(1)
@@ -127,6 +139,9 @@ def maxsim_forward(
     except NotReady:    # a training step's binary is building in the background: this step, chunked
         path = "torch-chunked"
         scores, argmax = implementation(path).maxsim.forward(Q, D, q_mask, d_mask, **options)
+    finally:
+        forget(defer)
+        forget(ahead)
     if entry:
         record(entry, path)
     if layout == PAIRS:
@@ -181,7 +196,8 @@ def maxsim_backward(
     strategy: str, need_q: bool, need_d: bool, q_masked: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_Q, grad_D)`` through the winners (empty where not needed), in the inputs'
-    dtypes and shapes, contiguous."""
+    dtypes and shapes, contiguous.  A binary not built yet is served on the chunked path
+    meanwhile, as in :func:`maxsim_forward`."""
     path = _path(Q, "maxsim", "")
     cross = layout == CROSS
     shape = (Q.shape[0], Q.shape[1], D.shape[0], D.shape[1], Q.shape[2]) if cross else None
@@ -191,10 +207,13 @@ def maxsim_backward(
         grad = grad.unsqueeze(1)
     options = dict(cross=cross, normalize=normalize, need_q=need_q, need_d=need_d, strategy=strategy,
                    q_masked=q_masked)
+    defer = defer_compiles()
     try:
         gq, gd = implementation(path).maxsim.backward(grad, Q, D_view, argmax, **options)
     except NotReady:    # as in maxsim_forward: the winners' contract is the same on both paths
         gq, gd = implementation("torch-chunked").maxsim.backward(grad, Q, D_view, argmax, **options)
+    finally:
+        forget(defer)
     if gd is not None and layout == PAIRS:
         gd = gd.squeeze(1)
     return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
@@ -207,15 +226,8 @@ class _MaxSim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, D, q_mask, d_mask, options):
         layout, normalize, zero_mode, strategy, entry = options
-        # the backward this forward will meet: compiled beside the forward if that compiles
-        token = expect(_maxsim_backward_ahead, (Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy,
-                                                ctx.needs_input_grad[0], ctx.needs_input_grad[1]), _maxsim_step_ahead)
-        defer_token = defer_compiles()
-        try:
-            scores, argmax = maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, entry)
-        finally:
-            forget(defer_token)
-            forget(token)
+        scores, argmax = maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, entry, strategy,
+                                        ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.save_for_backward(Q, D, argmax)
         ctx.options = (layout, normalize, strategy, q_mask is not None)
         return scores
@@ -225,24 +237,21 @@ class _MaxSim(torch.autograd.Function):
         Q, D, argmax = ctx.saved_tensors
         layout, normalize, strategy, q_masked = ctx.options
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        defer_token = defer_compiles()
-        try:
-            gq, gd = maxsim_backward(grad, Q, D, argmax, layout, normalize, strategy, need_q, need_d, q_masked)
-        finally:
-            forget(defer_token)
+        gq, gd = maxsim_backward(grad, Q, D, argmax, layout, normalize, strategy, need_q, need_d, q_masked)
         return (gq if need_q else None), (gd if need_d else None), None, None, None
 
 
 def _maxsim_backward_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d):
     # a dry run (kernels/triton/ahead.py): the saved winners and the incoming gradient,
     # uninitialised, as the forward's fake kernel shapes them
-    scores, argmax = _maxsim_forward_fake(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, "")
+    scores, argmax = _maxsim_forward_fake(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, "", strategy,
+                                          need_q, need_d)
     maxsim_backward(torch.empty_like(scores), Q, D, argmax, layout, normalize, strategy, need_q, need_d,
                     q_mask is not None)
 
 
 def _maxsim_step_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d):
-    maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, "")
+    maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, "", strategy, need_q, need_d)
     _maxsim_backward_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d)
 
 
@@ -252,7 +261,7 @@ def maxsim(Q, D, q_mask, d_mask, *, layout: int, normalize: bool, zero_mode: boo
     the forward alone (nothing saved)."""
     if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
         return _MaxSim.apply(Q, D, q_mask, d_mask, (layout, normalize, zero_mode, strategy, entry))
-    return maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, False, entry)[0]
+    return maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, False, entry, strategy, False, False)[0]
 
 
 # ----------------------------------------------------------------------------- packed layouts

@@ -19,9 +19,10 @@ def expect(backward, args: tuple, step=None):
     step)`` once.  ``args``: the forward call's tensors (queries first, documents second)
     and plain values; ``step(*args)``: forward and backward, for guessing other lengths
     (None: not to be guessed).  (A token, not a context manager: this is on every training
-    call's path, and a generator-based ``with`` costs microseconds.)  While compiling
+    call's path, and a generator-based ``with`` costs microseconds.)  While tracing
     (``torch.compile`` traces the autograd Functions, and cannot trace a context variable)
-    there is nothing to expect: the compiled graph's launches happen later."""
+    there is nothing to expect: the compiled graph's launches happen later, and the op it
+    calls then expects the backward itself (``library.maxsim_forward``)."""
     if torch.compiler.is_compiling():
         return None
     return _expected.set([backward, args, step])
@@ -55,11 +56,12 @@ _defer: contextvars.ContextVar = contextvars.ContextVar("lik_defer_compiles", de
 
 def defer_compiles():
     """Until :func:`forget` of the returned token, a launch whose binary is not built raises
-    :class:`NotReady` instead of compiling.  The op layer sets it around the eager training
-    ops only (``_MaxSim``'s forward and backward): there a chunked call costs milliseconds
-    against a compile's seconds, and the next step finds the binary built.  Inference calls
-    (a rerank of 100k documents may take the chunked path far longer than a compile) and
-    compiled graphs (nothing is launched while tracing) wait for their binaries as before."""
+    :class:`NotReady` instead of compiling.  The op layer sets it inside the hard-max training
+    ops (``maxsim_forward`` saving its winners, ``maxsim_backward``), run by eager code or by
+    a compiled graph: there a chunked call costs milliseconds against a compile's seconds,
+    and the next step finds the binary built.  Inference calls (a rerank of 100k documents
+    may take the chunked path far longer than a compile) wait for their binaries, as does a
+    CUDA graph's capture; while tracing nothing is launched."""
     if torch.compiler.is_compiling():
         return None
     return _defer.set(True)

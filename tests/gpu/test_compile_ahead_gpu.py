@@ -106,3 +106,64 @@ def test_a_cold_step_runs_chunked_while_every_kernel_builds_in_the_background(tm
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
     for got, want in zip(ahead_grads[1], plain_grads[1]):               # the kernels, lowmem: deterministic
         assert torch.equal(got, want)
+
+
+COMPILED = textwrap.dedent("""
+    import json, sys
+    import torch, torch.nn.functional as F
+    import lik_plugins as lik
+    from lik_plugins.kernels.triton import ahead
+
+    def cross(Q, D, dm):
+        return F.cross_entropy(lik.maxsim(Q, D, None, dm) / 0.05, torch.arange(32, device="cuda"))
+
+    def reference(Q, D, dm):
+        sim = torch.einsum("ash,bth->abst", Q.float(), D.float()).masked_fill(~dm[None, :, None, :], float("-inf"))
+        return F.cross_entropy(sim.amax(-1).sum(-1) / 0.05, torch.arange(32, device="cuda"))
+
+    compiled = torch.compile(cross, mode=sys.argv[1] if sys.argv[1] != "default" else None)
+    served, errors = [], []
+    for step in range(6):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        Q = F.normalize(torch.randn(32, 24, 128, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
+        D = F.normalize(torch.randn(32, 180, 128, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
+        dm = torch.rand(32, 180, device="cuda", generator=g) > 0.2
+        dm[:, 0] = True
+        lik.reset_routing_counts()
+        loss = compiled(Q, D, dm)
+        got = (loss.detach().clone(), *[t.clone() for t in torch.autograd.grad(loss, (Q, D))])
+        served.append(dict(lik.routing_counts().get("maxsim", {})))
+        want_loss = reference(Q, D, dm)
+        want = (want_loss.detach(), *torch.autograd.grad(want_loss, (Q, D)))
+        for a, b in zip(got, want):
+            try:
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+            except AssertionError as exc:
+                errors.append(f"step {step}: {exc}"[:300])
+        if step == 1:
+            for future in list(ahead._pending.values()):   # every background build done: the kernels next
+                future.result()
+    print("RESULT " + json.dumps(dict(served=served, errors=errors)))
+""")
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_a_compiled_cold_step_serves_while_its_kernels_build(mode):
+    """A ``torch.compile``d training step in a fresh process on an empty cache: its graph's
+    ops expect the backward and serve chunked while the kernels build in the background (the
+    first step), then run on the kernels; every step's loss and gradients match a float32
+    einsum reference.  Under ``reduce-overhead`` the CUDA graph's capture waits for its
+    binaries (no chunked call is captured) and replays run no Python (no routing counted)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, LIK_SERVE_WHILE_COMPILING="1")
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("LIK_COMPILE_AHEAD", None)
+        done = subprocess.run([sys.executable, "-c", COMPILED, mode], env=env, capture_output=True, text=True,
+                              timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert not result["errors"], result["errors"]
+    served = result["served"]
+    assert served[0] == {"torch-chunked": 1}, served
+    assert any(s.get("triton") for s in served[1:]), served             # (replays count nothing)
+    assert not any(s.get("torch-chunked") for s in served[2:]), served

@@ -281,6 +281,56 @@ def test_a_training_step_runs_chunked_while_its_binaries_build(monkeypatch):
     assert building["left"] == 1 and routing_counts()["maxsim"]["triton"] == 2
 
 
+def test_a_compiled_training_step_expects_its_backward_and_serves_while_building(monkeypatch):
+    """Under ``torch.compile`` the graph calls the registered ops, and they expect the
+    backward and serve a binary not built yet on the chunked path themselves, as in eager
+    code: the forward's launch finds the backward expected (with the gradients the step
+    needs), the backward's finds nothing left to expect; both calls chunked, the results
+    the chunked path's; once built, the kernels serve the compiled step."""
+    from lik_plugins._routing import reset_routing_counts, routing_counts
+    from lik_plugins.kernels.expected import NotReady, deferring, take
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    building = {"left": 2}
+    seen = []
+
+    def defer_if_building(kernel, args, meta, needed):
+        if deferring() and building["left"] > 0:
+            building["left"] -= 1
+            taken = take()
+            seen.append((needed[0], None if taken is None else (taken[0].__name__, taken[1][-2:])))
+            raise NotReady(needed[0])
+
+    monkeypatch.setattr(direct, "_defer_if_building", defer_if_building)
+    monkeypatch.setattr(direct, "_VARIANTS", set())
+    gen = torch.Generator().manual_seed(5)
+    Q, D, dm = _inputs(gen, 4, 6, 5, 30)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def loss_of(q, d):
+        return F.cross_entropy(lik.maxsim(q, d, None, dm), torch.arange(4))
+
+    def step(backend, fn):
+        monkeypatch.setenv("LIK_BACKEND", backend)
+        q, d = Q.detach().clone().requires_grad_(), D.detach().clone().requires_grad_()
+        loss = fn(q, d)
+        loss.backward()
+        return loss.detach(), q.grad, d.grad
+
+    chunked = step("torch-chunked", lambda q, d: F.cross_entropy(lik.maxsim(q, d, None, dm), torch.arange(4)))
+    reset_routing_counts()
+    first = step("triton", loss_of)
+    assert routing_counts()["maxsim"] == {"torch-chunked": 1}
+    assert seen[0] == ("maxsim_fwd_kernel", ("_maxsim_backward_ahead", (True, True))), seen
+    assert len(seen) == 2 and seen[1][1] is None, seen
+    for got, want in zip(first, chunked):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    second = step("triton", loss_of)
+    assert routing_counts()["maxsim"] == {"torch-chunked": 1, "triton": 1}
+    for got, want in zip(second, chunked):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_defer_builds_each_binary_once_and_moves_a_queued_guess_to_the_front(monkeypatch):
     """``ahead.defer`` (a training launch that will not wait): a binary never asked for is
     sent to the main compile pool; one still queued behind other guesses is cancelled there

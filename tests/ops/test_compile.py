@@ -134,9 +134,11 @@ def test_fake_kernels_agree_with_the_real_ops():
     Q, D, qm, dm = _inputs(11)
     Qk, Dk, _, dmk = _inputs(12, kd=True)
     cases = [
-        (library.maxsim_forward.op, (Q, D, qm, dm, library.CROSS, True, False, True, "")),
-        (library.maxsim_forward.op, (Qk, Dk, None, dmk, library.CANDIDATES, False, True, True, "")),
-        (library.maxsim_forward.op, (Q, D[:4], None, None, library.PAIRS, False, False, False, "")),
+        (library.maxsim_forward.op, (Q, D, qm, dm, library.CROSS, True, False, True, "", "auto", True, True)),
+        (library.maxsim_forward.op, (Qk, Dk, None, dmk, library.CANDIDATES, False, True, True, "", "lowmem", True,
+                                      False)),
+        (library.maxsim_forward.op, (Q, D[:4], None, None, library.PAIRS, False, False, False, "", "auto", False,
+                                      False)),
         (library.smooth_maxsim_forward.op, (Q, D, 0.1, library.CROSS, "")),
     ]
     for op, args in cases:
