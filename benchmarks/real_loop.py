@@ -103,6 +103,10 @@ def _kernel_loop(args) -> list[float]:
             settled = len(times)
             settled_after_s = time.perf_counter() - loop_start
             g.manual_seed(1)    # every implementation's steady window: the same lengths and data
+            if args.impl.startswith("lik_plugins"):
+                import lik_plugins
+
+                lik_plugins.reset_routing_counts()    # the row reports the steady window's paths
         lq, ld = lengths()
         Q = torch.nn.functional.normalize(torch.randn(batch, lq, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
         D = torch.nn.functional.normalize(torch.randn(batch, ld, 128, generator=g), dim=-1).to("cuda", torch.bfloat16)
@@ -220,6 +224,9 @@ def run_cell(args) -> dict:
         from lik_plugins.kernels.triton import ahead, direct
 
         row["variants"] = direct.variants()
+        import lik_plugins
+
+        row["routing"] = lik_plugins.routing_counts()   # kernel loops: of the steady window
         # binaries built by compiler processes: (kernel, seconds, ok, error); the parent then
         # loads them from the disk cache (cache hits in ``compiles``)
         row["process_compiles"] = ahead.process_compiles()
