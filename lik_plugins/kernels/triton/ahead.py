@@ -33,8 +33,9 @@ backward from their autograd Functions (eager code) only.
 Serving while compiling: inside the op layer's training ops (``expected.defer_compiles``) a
 launch whose binary is not built does not wait for it: :func:`defer` starts its build (and
 fires the forward's expectation) and the launch raises ``expected.NotReady``; the op serves that
-call on the chunked path.  A cold PyLate loop's first ten steps on the H200 machine: 5.0-9.3 s
-(median 6.9 of five runs) against 8.9-12.2 s waiting (``docs/performance-notes.md``).  ``LIK_SERVE_WHILE_COMPILING=0`` waits.
+call on the chunked path.  A cold PyLate loop's first ten steps on the H200 machine: 4.8-5.3 s
+with the patchers' :func:`warm_up` (PyLate's own torch path 4.8-5.2) against 8.9-12.2 s waiting
+(``docs/performance-notes.md``).  ``LIK_SERVE_WHILE_COMPILING=0`` waits.
 
 Nothing here can change a result: a prediction that misses (a gradient with other strides
 than the one expected, an unaligned tensor) only means the real launch compiles its own
