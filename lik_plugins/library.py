@@ -289,7 +289,7 @@ def _varlen_impl(t: torch.Tensor, entry: str):
 
 
 def _varlen_forward_fake(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d, normalize, zero_mode,
-                         save_argmax, entry):
+                         save_argmax, entry, need_q, need_d):
     dtype = _score_dtype(Q)
     if pair_q is not None:
         shape, arg_shape = (pair_q.shape[0],), (pair_q.shape[0], max_q)
@@ -307,14 +307,23 @@ def maxsim_varlen_forward(
     Q: torch.Tensor, D: torch.Tensor, cu_q: torch.Tensor, cu_d: torch.Tensor,
     pair_q: Optional[torch.Tensor], pair_d: Optional[torch.Tensor],
     q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor], max_q: int, max_d: int,
-    normalize: bool, zero_mode: bool, save_argmax: bool, entry: str,
+    normalize: bool, zero_mode: bool, save_argmax: bool, entry: str, need_q: bool, need_d: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed scores (``[Nq, Nd]``, or ``[P]`` for a pair list) and, when ``save_argmax``,
-    the winners (``[Nq, Nd, max_q]`` / ``[P, max_q]``; -1: none)."""
+    the winners (``[Nq, Nd, max_q]`` / ``[P, max_q]``; -1: none).  ``save_argmax``: the
+    backward (``need_q``, ``need_d``) follows, and compiles beside this forward if it compiles
+    (packed lengths are not guessed: their kernels take the lengths from the offsets)."""
     impl = _varlen_impl(Q, entry)
-    scores, argmax = impl.maxsim.varlen_forward(
-        Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), q_mask, d_mask, max_q=max_q, max_d=max_d,
-        normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
+    ahead = None
+    if save_argmax:
+        ahead = expect(_varlen_backward_ahead, (Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
+                                                normalize, zero_mode, need_q, need_d))
+    try:
+        scores, argmax = impl.maxsim.varlen_forward(
+            Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), q_mask, d_mask, max_q=max_q, max_d=max_d,
+            normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
+    finally:
+        forget(ahead)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
 
 
@@ -343,14 +352,9 @@ class _MaxSimVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, options):
         max_q, max_d, normalize, zero_mode, entry = options
-        # packed lengths are not guessed: their kernels take the lengths from the offsets
-        token = expect(_varlen_backward_ahead, (Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
-                                                normalize, zero_mode, ctx.needs_input_grad[0], ctx.needs_input_grad[1]))
-        try:
-            scores, argmax = maxsim_varlen_forward(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
-                                                   normalize, zero_mode, True, entry)
-        finally:
-            forget(token)
+        scores, argmax = maxsim_varlen_forward(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
+                                               normalize, zero_mode, True, entry, ctx.needs_input_grad[0],
+                                               ctx.needs_input_grad[1])
         if pair_q is None:
             ctx.save_for_backward(Q, D, cu_q, cu_d, argmax)
         else:
@@ -371,7 +375,7 @@ class _MaxSimVarlen(torch.autograd.Function):
 def _varlen_backward_ahead(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d, normalize, zero_mode,
                            need_q, need_d):
     scores, argmax = _varlen_forward_fake(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
-                                          normalize, zero_mode, True, "")
+                                          normalize, zero_mode, True, "", need_q, need_d)
     maxsim_varlen_backward(torch.empty_like(scores), Q, D, cu_q, cu_d, pair_q, pair_d, argmax, normalize, need_q,
                            need_d)
 
@@ -383,22 +387,30 @@ def maxsim_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, *, max_q: in
         return _MaxSimVarlen.apply(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask,
                                    (max_q, max_d, normalize, zero_mode, entry))
     return maxsim_varlen_forward(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d, normalize,
-                                 zero_mode, False, entry)[0]
+                                 zero_mode, False, entry, False, False)[0]
 
 
 # ----------------------------------------------------------------------------- smooth max
-def _smooth_forward_fake(Q, D, tau, layout, entry):
+def _smooth_forward_fake(Q, D, tau, layout, entry, need_q, need_d):
     shape, nj, _ = _shape_of_scores(Q, D, layout)
     dtype = _score_dtype(Q)
     return Q.new_empty(shape, dtype=dtype), Q.new_empty((Q.shape[0], nj, Q.shape[1]), dtype=dtype)
 
 
 @_registered("smooth_maxsim_forward", _smooth_forward_fake)
-def smooth_maxsim_forward(Q: torch.Tensor, D: torch.Tensor, tau: float, layout: int,
-                          entry: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Smooth-max scores and the per-row log-sum-exp ``[Nq, NJ, Lq]`` (fp32; fp64 inputs: fp64)."""
+def smooth_maxsim_forward(Q: torch.Tensor, D: torch.Tensor, tau: float, layout: int, entry: str, need_q: bool,
+                          need_d: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smooth-max scores and the per-row log-sum-exp ``[Nq, NJ, Lq]`` (fp32; fp64 inputs: fp64).
+    ``need_q`` / ``need_d``: the backward that follows (neither: none), which compiles beside
+    this forward if it compiles."""
     impl = implementation(_path(Q, "smooth", entry))
-    scores, lse = impl.smooth.smooth_forward(Q, D.unsqueeze(1) if layout == PAIRS else D, tau, layout == CROSS)
+    ahead = None
+    if need_q or need_d:
+        ahead = expect(_smooth_backward_ahead, (Q, D, tau, layout, need_q, need_d), _smooth_step_ahead)
+    try:
+        scores, lse = impl.smooth.smooth_forward(Q, D.unsqueeze(1) if layout == PAIRS else D, tau, layout == CROSS)
+    finally:
+        forget(ahead)
     return (scores.squeeze(1) if layout == PAIRS else scores), lse
 
 
@@ -426,12 +438,7 @@ class _SmoothMaxSim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, D, options):
         tau, layout, entry = options
-        token = expect(_smooth_backward_ahead, (Q, D, tau, layout, ctx.needs_input_grad[0], ctx.needs_input_grad[1]),
-                       _smooth_step_ahead)
-        try:
-            scores, lse = smooth_maxsim_forward(Q, D, tau, layout, entry)
-        finally:
-            forget(token)
+        scores, lse = smooth_maxsim_forward(Q, D, tau, layout, entry, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.save_for_backward(Q, D, lse)
         ctx.options = (tau, layout)
         return scores
@@ -448,19 +455,19 @@ class _SmoothMaxSim(torch.autograd.Function):
 
 
 def _smooth_backward_ahead(Q, D, tau, layout, need_q, need_d):
-    scores, lse = _smooth_forward_fake(Q, D, tau, layout, "")
+    scores, lse = _smooth_forward_fake(Q, D, tau, layout, "", need_q, need_d)
     smooth_maxsim_backward(torch.empty_like(scores), Q, D, lse, tau, layout, need_q, need_d)
 
 
 def _smooth_step_ahead(Q, D, tau, layout, need_q, need_d):
-    smooth_maxsim_forward(Q, D, tau, layout, "")
+    smooth_maxsim_forward(Q, D, tau, layout, "", need_q, need_d)
     _smooth_backward_ahead(Q, D, tau, layout, need_q, need_d)
 
 
 def smooth_maxsim(Q, D, *, tau: float, layout: int, entry: str) -> torch.Tensor:
     if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
         return _SmoothMaxSim.apply(Q, D, (tau, layout, entry))
-    return smooth_maxsim_forward(Q, D, tau, layout, entry)[0]
+    return smooth_maxsim_forward(Q, D, tau, layout, entry, False, False)[0]
 
 
 # ----------------------------------------------------------------------------- fp8

@@ -22,7 +22,7 @@ def expect(backward, args: tuple, step=None):
     call's path, and a generator-based ``with`` costs microseconds.)  While tracing
     (``torch.compile`` traces the autograd Functions, and cannot trace a context variable)
     there is nothing to expect: the compiled graph's launches happen later, and the op it
-    calls then expects the backward itself (``library.maxsim_forward``)."""
+    calls then expects the backward itself (``library.maxsim_forward`` and its kin)."""
     if torch.compiler.is_compiling():
         return None
     return _expected.set([backward, args, step])

@@ -331,6 +331,44 @@ def test_a_compiled_training_step_expects_its_backward_and_serves_while_building
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["maxsim", "smooth", "packed"])
+def test_a_compiled_graph_s_forward_expects_its_backward(monkeypatch, family):
+    """Every training op expects its backward itself, so a ``torch.compile``d step's first
+    forward launch fires it as eager code's does (named, with the gradients the step needs)
+    and the backward's launches find nothing left to expect."""
+    from lik_plugins.kernels.expected import take
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    monkeypatch.setattr(direct, "_VARIANTS", set())
+    fired = []
+    monkeypatch.setattr(ahead, "fire", lambda needed, guess=None: fired.append((needed[0], take())))
+    gen = torch.Generator().manual_seed(11)
+    Q, D, dm = _inputs(gen, 4, 6, 4, 24)
+
+    if family == "maxsim":
+        def loss_of(q, d):
+            return F.cross_entropy(lik.maxsim(q, d, None, dm), torch.arange(4))
+        want = "_maxsim_backward_ahead"
+    elif family == "smooth":
+        def loss_of(q, d):
+            return F.cross_entropy(lik.smooth_maxsim(q, d, tau=0.1), torch.arange(4))
+        want = "_smooth_backward_ahead"
+    else:
+        def loss_of(q, d):
+            qp, cu_q, mq = lik.pack(list(q.unbind(0)))
+            dp, cu_d, md = lik.pack([t[:12] for t in d.unbind(0)])
+            return F.cross_entropy(lik.maxsim_varlen(qp, dp, cu_q, cu_d, mq, md), torch.arange(4))
+        want = "_varlen_backward_ahead"
+
+    q, d = Q.detach().clone().requires_grad_(), D.detach().clone().requires_grad_()
+    torch.compile(loss_of, backend="aot_eager")(q, d).backward()
+    assert fired, family
+    name, expected = fired[0]
+    assert expected is not None and expected[0].__name__ == want, fired
+    assert tuple(expected[1][-2:]) == (True, True), expected[1][-2:]
+    assert all(e is None for _, e in fired[1:]), fired
+
+
 def test_defer_builds_each_binary_once_and_moves_a_queued_guess_to_the_front(monkeypatch):
     """``ahead.defer`` (a training launch that will not wait): a binary never asked for is
     sent to the main compile pool; one still queued behind other guesses is cancelled there

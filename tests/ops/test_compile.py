@@ -139,7 +139,7 @@ def test_fake_kernels_agree_with_the_real_ops():
                                       False)),
         (library.maxsim_forward.op, (Q, D[:4], None, None, library.PAIRS, False, False, False, "", "auto", False,
                                       False)),
-        (library.smooth_maxsim_forward.op, (Q, D, 0.1, library.CROSS, "")),
+        (library.smooth_maxsim_forward.op, (Q, D, 0.1, library.CROSS, "", True, True)),
     ]
     for op, args in cases:
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)

@@ -89,9 +89,9 @@ def test_fake_kernels_agree_with_the_real_ops():
     Qp, Dp, cu_q, cu_d, mq, md, dm = (a.detach() if isinstance(a, torch.Tensor) else a for a in _inputs(5))
     pq, pd = torch.tensor([2, 0, 2], dtype=torch.int32), torch.tensor([3, 1, 0], dtype=torch.int32)
     cases = [
-        (library.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, None, None, None, dm, mq, md, True, True, True, "")),
-        (library.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, pq, pd, None, None, mq, md, False, False, True, "")),
-        (library.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, pq, pd, None, None, mq, md, False, False, False, "")),
+        (library.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, None, None, None, dm, mq, md, True, True, True, "", True, True)),
+        (library.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, pq, pd, None, None, mq, md, False, False, True, "", True, False)),
+        (library.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, pq, pd, None, None, mq, md, False, False, False, "", False, False)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

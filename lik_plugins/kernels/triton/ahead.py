@@ -25,10 +25,10 @@ threads against 2 with processes over two runs of each, first 10 steps equal
 (``docs/performance-notes.md``).  The real backward's launch then waits for that thread
 (:func:`wait`) instead of compiling the same binary again, and finds it in the JIT's cache.
 
-The hard-max training ops (``library.maxsim_forward`` saving its winners, and
-``maxsim_backward``) set the expectation and serving below themselves, so a ``torch.compile``d
-training step gets both when its graph runs them; the smooth-max and packed ops expect their
-backward from their autograd Functions (eager code) only.
+The training ops set the expectation themselves (``library.maxsim_forward`` saving its winners,
+the smooth-max and packed forwards asked for their backward's gradients), so a
+``torch.compile``d step gets it when its graph runs them, as eager code does; the hard-max ops
+(forward and ``maxsim_backward``) also serve while compiling, below.
 
 Serving while compiling: inside the op layer's training ops (``expected.defer_compiles``) a
 launch whose binary is not built does not wait for it: :func:`defer` starts its build (and
