@@ -259,7 +259,7 @@ def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout, settle_
 
 
 PRIME = """
-import tempfile, os, torch, triton, triton.language as tl
+import torch, triton, triton.language as tl
 @triton.jit
 def _double(x, n, BLOCK: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -399,7 +399,7 @@ def main() -> int:
                         "loop began (wall clock, making each step's data included; and after the 10th step); "
                         "--steps - 10 steady steps are measured from there")
     p.add_argument("--no-prime", action="store_true",
-                   help="skip the untimed process that runs Triton once before the cells")
+                   help="skip the untimed priming processes before the cells (a Triton kernel; two PyLate steps)")
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--loop", choices=LOOPS)
     p.add_argument("--impl", choices=IMPLS + EXTRA_IMPLS)

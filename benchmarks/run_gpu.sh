@@ -92,7 +92,7 @@ if [[ $stage == coldstart ]]; then
   timeout 280 python3 benchmarks/real_loop.py "$OUT/pylate" --loops pylate \
     --impls lik_plugins,lik_plugins-thread,torch,late-interaction-kernels --steps 12 --repeats 2 \
     --timeout 60 2>&1 | grep -v '^{'
-  # steady: after 10 s of steps, when every cell's compiles (ours in the background) are done
+  # steady: from 10 s after each loop began (wall clock), when every cell's compiles (ours in the background) are done
   timeout 240 python3 benchmarks/real_loop.py "$OUT/kernel_loops" --loops fixed,vary-colbert,vary-colpali \
     --impls lik_plugins,lik_plugins-thread,late-interaction-kernels --steps 80 --settle-s 10 --timeout 60 \
     2>&1 | grep -v '^{'
