@@ -75,6 +75,56 @@ def _scorer(impl: str):
     raise ValueError(impl)
 
 
+class _SpikeSampler:
+    """``--sample-spikes``: while a step runs, a thread takes every thread's innermost frames
+    every millisecond; a step slower than ``keep_ms`` keeps its samples, counted by (thread,
+    stack) -- what the caller's thread was doing (or waiting in) while a background thread
+    did what.  Sampling takes the GIL too, so it perturbs the steps it watches: a diagnosis,
+    not a timing."""
+
+    def __init__(self, keep_ms: float, depth: int = 6):
+        import threading
+
+        self.keep_ms, self.depth, self.samples, self.kept = keep_ms, depth, [], []
+        self._on, self._main = threading.Event(), threading.main_thread().ident
+        threading.Thread(target=self._run, name="real-loop-sampler", daemon=True).start()
+
+    def _stack(self, frame) -> str:
+        out = []
+        while frame is not None and len(out) < self.depth:
+            code = frame.f_code
+            out.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}")
+            frame = frame.f_back
+        return " < ".join(out)
+
+    def _run(self):
+        import threading
+
+        names = {}
+        while True:
+            self._on.wait()
+            frames = sys._current_frames()
+            for t in threading.enumerate():
+                names[t.ident] = t.name
+            for ident, frame in frames.items():
+                if names.get(ident) != "real-loop-sampler":
+                    self.samples.append((names.get(ident, str(ident)), self._stack(frame)))
+            time.sleep(0.001)
+
+    def start(self):
+        self.samples = []
+        self._on.set()
+
+    def stop(self, step: int, seconds: float):
+        self._on.clear()
+        if seconds * 1e3 > self.keep_ms and step >= 10:
+            from collections import Counter
+
+            top = Counter(self.samples).most_common(12)
+            self.kept.append(dict(step=step, ms=round(seconds * 1e3, 2),
+                                  samples=[[n, thread, stack] for (thread, stack), n in top]))
+
+
 def _kernel_loop(args) -> list[float]:
     import torch
     import torch.nn.functional as F
@@ -97,6 +147,7 @@ def _kernel_loop(args) -> list[float]:
 
     if args.compile:
         step = torch.compile(step)
+    sampler = _SpikeSampler(args.sample_spikes) if args.sample_spikes else None
     times, settled, settled_after_s, loop_start = [], None, None, time.perf_counter()
     while settled is None or len(times) - settled < args.steps - 10:
         if settled is None and len(times) >= 10 and time.perf_counter() - loop_start >= args.settle_s:
@@ -114,10 +165,16 @@ def _kernel_loop(args) -> list[float]:
         Q.requires_grad_()
         D.requires_grad_()
         torch.cuda.synchronize()
+        if sampler:
+            sampler.start()
         t0 = time.perf_counter()
         _profiled(len(times), args, lambda: step(Q, D, dm), first_steady=len(times) == settled)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if sampler:
+            sampler.stop(len(times) - 1, times[-1])
+    if sampler:
+        args.spike_samples = sampler.kept
     return times, settled, settled_after_s
 
 
@@ -231,17 +288,20 @@ def run_cell(args) -> dict:
         # loads them from the disk cache (cache hits in ``compiles``)
         row["process_compiles"] = ahead.process_compiles()
         row["process_compile_s"] = sum(e[1] for e in row["process_compiles"] if e[2])
+    if getattr(args, "spike_samples", None) is not None:
+        row["spike_samples"] = args.spike_samples
     return row
 
 
 # ----------------------------------------------------------------------------- driver
-def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout, settle_s=0.0):
+def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout, settle_s=0.0, sample_spikes=0.0):
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
     env.pop("LIK_DISABLE", None)
     if impl in AHEAD_MODE:
         env["LIK_COMPILE_AHEAD"] = AHEAD_MODE[impl]
     cmd = [sys.executable, os.path.abspath(__file__), "--cell", "--loop", loop, "--impl", impl,
-           "--steps", str(steps), "--cache", cache_label, "--settle-s", str(settle_s)] + \
+           "--steps", str(steps), "--cache", cache_label, "--settle-s", str(settle_s),
+           "--sample-spikes", str(sample_spikes)] + \
         (["--compile"] if compile_ else [])
     t0 = time.perf_counter()
     try:
@@ -400,6 +460,10 @@ def main() -> int:
                         "--steps - 10 steady steps are measured from there")
     p.add_argument("--no-prime", action="store_true",
                    help="skip the untimed priming processes before the cells (a Triton kernel; two PyLate steps)")
+    p.add_argument("--sample-spikes", type=float, default=0.0, metavar="MS",
+                   help="kernel loops: sample every thread's stack each millisecond while a step runs and keep "
+                        "the samples of steps after the 10th slower than MS (a diagnosis: sampling perturbs "
+                        "the steps); rows carry them as spike_samples")
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--loop", choices=LOOPS)
     p.add_argument("--impl", choices=IMPLS + EXTRA_IMPLS)
@@ -430,10 +494,11 @@ def main() -> int:
                     with tempfile.TemporaryDirectory() as cache:
                         labels = ["cold", "warm"] if args.warm else ["cold"]
                         for label in labels:
-                            row = _spawn(loop, impl, compile_, cache, label, args.steps, args.timeout, args.settle_s)
+                            row = _spawn(loop, impl, compile_, cache, label, args.steps, args.timeout, args.settle_s,
+                                           args.sample_spikes)
                             row["repeat"] = repeat
                             rows.append(row)
-                            print(json.dumps({k: v for k, v in row.items() if k not in ("variants", "compiles")}),
+                            print(json.dumps({k: v for k, v in row.items() if k not in ("variants", "compiles", "spike_samples")}),
                                   flush=True)
                             with open(os.path.join(args.out_dir, "real_loop.json"), "w") as fh:
                                 json.dump({"meta": meta, "rows": rows}, fh, indent=1)

@@ -313,6 +313,21 @@ def test_direct_launch_replays_the_jit_bitwise(monkeypatch, case):
         assert torch.equal(a, b)
 
 
+def test_the_launcher_self_check_passes_and_launches_only_its_own_kernel():
+    """The replay's self-check runs inside a user's step: it must pass on a verified Triton
+    and launch no PyTorch kernel (a first use loads that kernel's module: tens of ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lik_plugins.kernels.triton import direct
+
+    direct._self_check()            # its kernel compiled and loaded: the profile sees launches only
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        assert direct._self_check()
+    kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()}
+    assert kernels == {"self_check_kernel"}
+
+
 @pytest.mark.parametrize("shape", [(256, 256, 32, 256, 128), (64, 64, 32, 1030, 128), (48, 40, 32, 1030, 96),
                                    (1024, 24, 32, 300, 128)],
                          ids=["colbert-256", "colpali-64", "odd", "16-bit-row-ids"])

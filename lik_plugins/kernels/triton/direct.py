@@ -244,7 +244,7 @@ def replay_ok() -> bool:
     if ok:
         # The check's own kernel compiles in the background (0.4-0.8 s on the H100 machine's
         # CPU, otherwise on a cold process's first step); launches take the JIT path until it
-        # is ready, and while a CUDA graph captures (the check synchronises the device).
+        # is ready, and while a CUDA graph captures (the check copies its results to the host).
         if not _CHECK_COMPILE:
             from .launcher_check import self_check_kernel
 
@@ -264,16 +264,22 @@ def replay_ok() -> bool:
 
 
 def _self_check() -> bool:
+    """Runs on a user's step (the first CUDA launch after the check's kernel is ready), so it
+    launches nothing but its own kernel: inputs go up and results come down as copies and are
+    compared on the host.  Comparing on the GPU (``torch.equal``, ``torch.where``) made the
+    first use of those PyTorch kernels load their modules there: a 17-26 ms step in cold
+    loops of ~1 ms steps (``benchmarks/real_loop.py --sample-spikes``)."""
     from .launcher_check import self_check_kernel
 
-    x = torch.arange(100, device="cuda", dtype=torch.float32)
-    outs = [torch.full((100,), -1.0, device="cuda") for _ in range(2)]
+    x_host = torch.arange(100, dtype=torch.float32)
+    x = x_host.to("cuda")
+    outs = [torch.full((100,), -1.0).to("cuda") for _ in range(2)]
     n_first, n_second = _CHECK_ARGS[2], 91
     meta = _CHECK_META
     compiled = self_check_kernel[(2,)](x, outs[0], n_first, _CHECK_ARGS[3], **meta)
     tail = _tail(self_check_kernel, 4, meta)
     compiled.run(2, 1, 1, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), compiled.function,
                  compiled.packed_metadata, None, None, None, x, outs[1], n_second, 3.0, *tail)
-    torch.cuda.synchronize()
-    want = [torch.where(torch.arange(100, device="cuda") < n, x * k, -1.0) for n, k in ((n_first, 2.0), (n_second, 3.0))]
-    return all(torch.equal(o, w) for o, w in zip(outs, want))
+    got = [o.cpu() for o in outs]       # waits for this stream's work, the check's included
+    want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in ((n_first, 2.0), (n_second, 3.0))]
+    return all(torch.equal(o, w) for o, w in zip(got, want))
