@@ -305,12 +305,23 @@ def test_direct_launch_replays_the_jit_bitwise(monkeypatch, case):
     monkeypatch.setenv("LIK_DIRECT_LAUNCH", "0")
     jit = _deterministic_step(Q, D, qm, dm, **kw)
     monkeypatch.setenv("LIK_DIRECT_LAUNCH", "1")
+    _replay_checked()
     direct.clear()
     _deterministic_step(Q, D, qm, dm, **kw)          # through the JIT, plans recorded
     assert direct._plans
     replayed = _deterministic_step(Q, D, qm, dm, **kw)
     for a, b in zip(jit, replayed):
         assert torch.equal(a, b)
+
+
+def _replay_checked():
+    """Wait for the replay's self-check (its kernel compiles in the background: a test run
+    on its own would otherwise see every launch still on the JIT path)."""
+    from lik_plugins.kernels.triton import direct
+
+    if not direct.replay_ok() and direct._CHECK_COMPILE:
+        direct._CHECK_COMPILE[0].result()
+    assert direct.replay_ok()
 
 
 def test_the_launcher_self_check_passes_and_launches_only_its_own_kernel():
