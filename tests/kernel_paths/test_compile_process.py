@@ -159,3 +159,61 @@ def test_the_public_warm_up_starts_nothing_without_a_cuda_device():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["0", "0"]
+
+
+CHANGED_ENVIRONMENT = textwrap.dedent("""
+    import json, os, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from lik_plugins.kernels.triton.launcher_check import self_check_kernel
+    from lik_plugins.kernels.triton.compile_worker import CompilerProcess, backend_hash, compile_environment
+    from lik_plugins.kernels.triton.ahead import options_from_json
+    sys.path.insert(0, sys.argv[1])
+    from sm90_compile import specialisation
+
+    process = CompilerProcess()                       # started in the environment it had then
+    # what torch.compile does once Inductor compiles: another ptxas (here: its version, the
+    # backend's hash), and a cache directory of its own
+    os.environ["TRITON_MOCK_PTX_VERSION"] = "ptxas of another toolkit"
+    os.environ["TRITON_CACHE_DIR"] = sys.argv[2]
+    target = GPUTarget("cuda", 90, 32)
+    hits = []
+    triton.knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: hits.append(cache_hit)
+    signature, constants = specialisation(self_check_kernel, {"BLOCK": 64}, {"X": "*fp32", "OUT": "*fp32", "scale": "fp32"})
+    attrs = {(0,): [("tt.divisibility", 16)], (1,): [("tt.divisibility", 16)]}
+    options = make_backend(target).parse_options({"num_warps": 4})
+    request = (self_check_kernel.fn.__module__, "self_check_kernel", self_check_kernel.cache_key, signature,
+               constants, attrs, options_from_json(json.loads(json.dumps(options.__dict__))), target)
+    report = {}
+    for label, extra in (("without", ()), ("with", (backend_hash(target), compile_environment()))):
+        ok, _, error = process.compile(request + extra)
+        hits.clear()
+        triton.compile(ASTSource(self_check_kernel, signature, constants, attrs), target=target,
+                       options=options.__dict__)
+        report[label] = dict(ok=ok, error=error, hit=hits == [True])
+        import shutil; shutil.rmtree(sys.argv[2]); os.makedirs(sys.argv[2])
+    report["other_hash"] = list(process.compile(request + ("a hash no ptxas gives", compile_environment())))[::2]
+    process.close()
+    print("REPORT " + json.dumps(report))
+""")
+
+
+def test_the_process_compiles_in_the_parent_s_environment_as_it_is_at_the_request(tmp_path):
+    """torch.compile changes the parent's Triton environment after the compiler processes
+    started (``TRITON_PTXAS_PATH``, ``TRITON_CACHE_DIR``): a request carries the parent's
+    environment and backend hash, and the process adopts them, so the JIT finds the binary.
+    A request without them (as before) builds under another key in another directory: a
+    miss.  A hash the process cannot reproduce is refused, not built under another key."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "at-start")
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", CHANGED_ENVIRONMENT, here, str(tmp_path / "now")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    report = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("REPORT "))[7:])
+    assert report["without"]["ok"] and not report["without"]["hit"], report
+    assert report["with"]["ok"] and report["with"]["hit"], report
+    assert report["other_hash"][0] is False and "hash differs" in report["other_hash"][1], report

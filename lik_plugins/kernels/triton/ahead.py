@@ -64,6 +64,7 @@ import triton
 
 from ..._config import compile_ahead_enabled, compile_ahead_mode
 from ..expected import take
+from . import compile_worker
 
 # Enough threads for a backward's two or three kernels beside the forward compiling in
 # the caller's thread; more would contend for the GIL's Python parts of the compiler.
@@ -459,7 +460,8 @@ def _request(kernel, device_index, args, meta) -> tuple | None:
     spec = box[0]
     target = kernel.device_caches[device_index][2]
     return (fn.__module__, fn.__name__, kernel.cache_key, spec["signature"], spec["constants"],
-            spec["configs"][0], options_from_json(json.loads(spec["specialization_data"])["options"]), target)
+            spec["configs"][0], options_from_json(json.loads(spec["specialization_data"])["options"]), target,
+            compile_worker.backend_hash(target), compile_worker.compile_environment())
 
 
 def options_from_json(options: dict) -> dict:

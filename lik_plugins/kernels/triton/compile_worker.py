@@ -18,9 +18,20 @@ always does; this process only fills its cache.  A binary built here under anoth
 (another Triton, a changed source, a cache directory set in code) is simply not found, and
 the parent compiles the binary itself.
 
+The key also holds the backend's hash (for CUDA, the version string of the ``ptxas`` in use)
+and the cache directory decides where the binary goes; both come from the environment, which
+the parent's may change after this process started: ``torch.compile`` points
+``TRITON_PTXAS_PATH`` at PyTorch's own ``ptxas`` (and sets ``TRITON_CACHE_DIR`` where none is
+set) when Inductor first compiles.  Each request therefore carries the parent's Triton
+environment and backend hash, and this process adopts them before compiling
+(:func:`adopt_environment`).  Without that, every binary of a compiled training step was built
+twice on the H200 machine -- here, then again in a thread of the parent, whose compiler holds
+the GIL: steps of 60-300 ms in the first seconds of a ``torch.compile``d loop.
+
 Protocol: length-prefixed pickles over the process's stdin and stdout.  Both ends are this
 module, on the same interpreter and the same Triton, started by the parent.
-Request: ``(module, name, cache_key, signature, constants, attrs, options, target)``.
+Request: ``(module, name, cache_key, signature, constants, attrs, options, target[, backend_hash,
+environment])``.
 Reply: ``(ok, seconds, error)``.  The process ends when its input closes.
 
     python -m lik_plugins.kernels.triton.compile_worker     # started by CompilerProcess only
@@ -54,8 +65,52 @@ def _receive(stream):
     return pickle.loads(data)
 
 
+def compile_environment() -> dict[str, str]:
+    """The parent's side: the environment variables that decide how and where Triton compiles
+    (every ``TRITON_*`` but the interpreter switch, and any other variable Triton's cache key
+    reads), as they are now."""
+    names = {n for n in os.environ if n.startswith("TRITON_") and n != "TRITON_INTERPRET"}
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+
+        names |= set(get_cache_invalidating_env_vars())
+    except (ImportError, AttributeError):
+        pass
+    return {n: os.environ[n] for n in sorted(names) if n in os.environ}
+
+
+def backend_hash(target) -> str:
+    """The backend's part of Triton's cache key for ``target``, as this process computes it."""
+    from triton.compiler import make_backend
+
+    return make_backend(target).hash()
+
+
+def adopt_environment(environment: dict[str, str] | None, parent_hash: str | None, target) -> None:
+    """Compile in the parent's Triton environment, so the binary lands under the parent's key
+    and in the parent's cache directory.  Triton reads a tool's version once per process (the
+    CUDA backend's hash is ``ptxas --version``), so when the hashes still differ after the
+    environment changed, those cached reads are dropped and the hash computed again; a
+    remaining difference is an error (the parent then compiles the binary itself)."""
+    if environment is not None:
+        for name in [n for n in os.environ if n.startswith("TRITON_") and n not in environment]:
+            del os.environ[name]
+        os.environ.update(environment)
+    if parent_hash is None or backend_hash(target) == parent_hash:
+        return
+    import triton.backends
+
+    for backend in triton.backends.backends.values():
+        module = sys.modules.get(backend.compiler.__module__)
+        for value in vars(module).values() if module is not None else ():
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+    if backend_hash(target) != parent_hash:
+        raise RuntimeError("the backend's hash differs from the parent's (another ptxas?): its key would not match")
+
+
 def compile_one(module: str, name: str, cache_key: str, signature: dict, constants: dict, attrs: dict,
-                options: dict, target) -> None:
+                options: dict, target, parent_hash: str | None = None, environment: dict | None = None) -> None:
     """Build one binary into the on-disk cache, as the parent's JIT would build it."""
     import importlib
 
@@ -65,6 +120,7 @@ def compile_one(module: str, name: str, cache_key: str, signature: dict, constan
     fn = getattr(importlib.import_module(module), name)
     if fn.cache_key != cache_key:   # another source than the parent's: its key would not match
         raise RuntimeError(f"{module}.{name}: the kernel's source differs from the parent's")
+    adopt_environment(environment, parent_hash, target)
     triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options)
 
 
