@@ -15,6 +15,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import json, sys, time
     import triton
@@ -162,7 +164,7 @@ def test_the_public_warm_up_starts_nothing_without_a_cuda_device():
 
 
 CHANGED_ENVIRONMENT = textwrap.dedent("""
-    import json, os, sys
+    import json, os, shutil, stat, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -172,12 +174,21 @@ CHANGED_ENVIRONMENT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from sm90_compile import specialisation
 
-    process = CompilerProcess()                       # started in the environment it had then
-    # what torch.compile does once Inductor compiles: another ptxas (here: its version, the
-    # backend's hash), and a cache directory of its own
-    os.environ["TRITON_MOCK_PTX_VERSION"] = "ptxas of another toolkit"
-    os.environ["TRITON_CACHE_DIR"] = sys.argv[2]
+    here, now, stale = sys.argv[1], sys.argv[2], sys.argv[3] == "stale"
     target = GPUTarget("cuda", 90, 32)
+    # each case has a process started in the environment the parent had then
+    processes = {"without": CompilerProcess(), "with": CompilerProcess()}
+    if stale:
+        backend_hash(target)                          # the parent hashed its ptxas before the change
+    # what torch.compile does once Inductor compiles: another ptxas, a cache directory of its own
+    # (the other ptxas: the same compiler behind a script whose version string differs)
+    real = triton.knobs.nvidia.ptxas.path
+    wrapper = os.path.join(now, "..", "ptxas")
+    with open(wrapper, "w") as f:
+        f.write(f'#!/bin/sh\\nif [ "$1" = "--version" ]; then echo another toolkit; fi\\nexec "{real}" "$@"\\n')
+    os.chmod(wrapper, stat.S_IRWXU)
+    os.environ["TRITON_PTXAS_PATH"] = wrapper
+    os.environ["TRITON_CACHE_DIR"] = now
     hits = []
     triton.knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: hits.append(cache_hit)
     signature, constants = specialisation(self_check_kernel, {"BLOCK": 64}, {"X": "*fp32", "OUT": "*fp32", "scale": "fp32"})
@@ -185,35 +196,43 @@ CHANGED_ENVIRONMENT = textwrap.dedent("""
     options = make_backend(target).parse_options({"num_warps": 4})
     request = (self_check_kernel.fn.__module__, "self_check_kernel", self_check_kernel.cache_key, signature,
                constants, attrs, options_from_json(json.loads(json.dumps(options.__dict__))), target)
-    report = {}
+    report = {"parent_hash_has_the_new_version": "another toolkit" in backend_hash(target)}
     for label, extra in (("without", ()), ("with", (backend_hash(target), compile_environment()))):
+        process = processes[label]
         ok, _, error = process.compile(request + extra)
         hits.clear()
         triton.compile(ASTSource(self_check_kernel, signature, constants, attrs), target=target,
                        options=options.__dict__)
         report[label] = dict(ok=ok, error=error, hit=hits == [True])
-        import shutil; shutil.rmtree(sys.argv[2]); os.makedirs(sys.argv[2])
+        shutil.rmtree(now)
+        os.makedirs(now)
     report["other_hash"] = list(process.compile(request + ("a hash no ptxas gives", compile_environment())))[::2]
-    process.close()
+    for process in processes.values():
+        process.close()
     print("REPORT " + json.dumps(report))
 """)
 
 
-def test_the_process_compiles_in_the_parent_s_environment_as_it_is_at_the_request(tmp_path):
+@pytest.mark.parametrize("parent", ["fresh", "stale"])
+def test_the_process_compiles_as_the_parent_s_jit_would_at_the_request(tmp_path, parent):
     """torch.compile changes the parent's Triton environment after the compiler processes
-    started (``TRITON_PTXAS_PATH``, ``TRITON_CACHE_DIR``): a request carries the parent's
-    environment and backend hash, and the process adopts them, so the JIT finds the binary.
-    A request without them (as before) builds under another key in another directory: a
-    miss.  A hash the process cannot reproduce is refused, not built under another key."""
+    started (``TRITON_PTXAS_PATH``, ``TRITON_CACHE_DIR``).  A request carries the parent's
+    environment and backend hash and the process adopts them, so the JIT finds the binary --
+    whether the parent hashed its ptxas after the change (``fresh``) or before it (``stale``:
+    Triton keeps the version it read first).  A request without them (as before) builds under
+    another key in another directory: a miss.  A hash the process cannot reproduce is refused,
+    not built under another key."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "at-start")
+    (tmp_path / "now").mkdir()
     here = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run([sys.executable, "-c", CHANGED_ENVIRONMENT, here, str(tmp_path / "now")], env=env,
+    done = subprocess.run([sys.executable, "-c", CHANGED_ENVIRONMENT, here, str(tmp_path / "now"), parent], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     import json
 
     report = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("REPORT "))[7:])
+    assert report["parent_hash_has_the_new_version"] == (parent == "fresh")
     assert report["without"]["ok"] and not report["without"]["hit"], report
     assert report["with"]["ok"] and report["with"]["hit"], report
     assert report["other_hash"][0] is False and "hash differs" in report["other_hash"][1], report

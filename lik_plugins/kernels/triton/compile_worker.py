@@ -23,7 +23,7 @@ and the cache directory decides where the binary goes; both come from the enviro
 the parent's may change after this process started: ``torch.compile`` points
 ``TRITON_PTXAS_PATH`` at PyTorch's own ``ptxas`` (and sets ``TRITON_CACHE_DIR`` where none is
 set) when Inductor first compiles.  Each request therefore carries the parent's Triton
-environment and backend hash, and this process adopts them before compiling
+environment and backend hash, and this process adopts both before compiling
 (:func:`adopt_environment`).  Without that, every binary of a compiled training step was built
 twice on the H200 machine -- here, then again in a thread of the parent, whose compiler holds
 the GIL: steps of 60-300 ms in the first seconds of a ``torch.compile``d loop.
@@ -86,18 +86,9 @@ def backend_hash(target) -> str:
     return make_backend(target).hash()
 
 
-def adopt_environment(environment: dict[str, str] | None, parent_hash: str | None, target) -> None:
-    """Compile in the parent's Triton environment, so the binary lands under the parent's key
-    and in the parent's cache directory.  Triton reads a tool's version once per process (the
-    CUDA backend's hash is ``ptxas --version``), so when the hashes still differ after the
-    environment changed, those cached reads are dropped and the hash computed again; a
-    remaining difference is an error (the parent then compiles the binary itself)."""
-    if environment is not None:
-        for name in [n for n in os.environ if n.startswith("TRITON_") and n not in environment]:
-            del os.environ[name]
-        os.environ.update(environment)
-    if parent_hash is None or backend_hash(target) == parent_hash:
-        return
+def _forget_tool_versions() -> None:
+    """Drop what Triton's backends read once per process (tool versions, such as ``ptxas
+    --version`` behind the CUDA backend's hash)."""
     import triton.backends
 
     for backend in triton.backends.backends.values():
@@ -105,8 +96,35 @@ def adopt_environment(environment: dict[str, str] | None, parent_hash: str | Non
         for value in vars(module).values() if module is not None else ():
             if callable(getattr(value, "cache_clear", None)):
                 value.cache_clear()
+
+
+def adopt_environment(environment: dict[str, str] | None, parent_hash: str | None, target) -> None:
+    """Compile as the parent's JIT would now: in its Triton environment (the ``ptxas`` it would
+    run, the cache directory it would look in) and under its key.
+
+    The key's backend part can lag the environment: Triton reads ``ptxas --version`` once per
+    process, so a parent that hashed before ``torch.compile`` changed ``TRITON_PTXAS_PATH``
+    keeps the old version string in its keys while compiling with the new ``ptxas`` (seen on
+    the H200 machine: every request refused until this).  So: the environment first; if the
+    hashes differ, tool versions read again; if they still differ on CUDA, this process takes
+    the parent's version string as its own (Triton's ``mock_ptx_version`` knob: the string
+    enters the key only) -- the parent's binary exactly, built with the same ``ptxas`` under
+    the same key.  Any other difference is an error: the parent then compiles the binary itself."""
+    if environment is not None:
+        for name in [n for n in os.environ if n.startswith("TRITON_") and n not in environment]:
+            del os.environ[name]
+        os.environ.update(environment)
+    if parent_hash is None or backend_hash(target) == parent_hash:
+        return
+    _forget_tool_versions()
+    suffix = f"-{target.arch}"
+    if backend_hash(target) != parent_hash and target.backend == "cuda" and parent_hash.endswith(suffix):
+        import triton
+
+        triton.knobs.nvidia.mock_ptx_version = parent_hash[:-len(suffix)]
+        _forget_tool_versions()
     if backend_hash(target) != parent_hash:
-        raise RuntimeError("the backend's hash differs from the parent's (another ptxas?): its key would not match")
+        raise RuntimeError("the backend's hash differs from the parent's: its key would not match")
 
 
 def compile_one(module: str, name: str, cache_key: str, signature: dict, constants: dict, attrs: dict,
