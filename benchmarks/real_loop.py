@@ -379,7 +379,7 @@ def markdown(rows, meta) -> str:
     out = [f"# Real loops from a cold start ({meta['device']}, {meta['date']})", "",
            f"torch {meta['torch']}, triton {meta['triton']}; {meta.get('peers', '')}", "",
            f"Command: `{meta['command']}`", "",
-           "Each cell: a fresh process; `cold` = empty Triton cache, `warm` = a second process on that cache. "
+           "Each cell: a fresh process; `cold` = empty Triton and Inductor caches, `warm` = a second process on those caches. "
            "`set-up`: the cell's seconds outside its steps (imports, patching, building the model, each step's data); "
            "`process`: the whole process, interpreter start to exit. Before the cells, one untimed process "
            f"ran a Triton kernel on a throwaway cache and, for the PyLate loop, two of its steps on PyLate's torch "
