@@ -88,6 +88,24 @@ def _path(t: torch.Tensor, op: str, entry: str, dim: int = 0) -> str:
     return path
 
 
+CHUNKED = "torch-chunked"
+
+
+def _serve(training: bool, kernels, chunked):
+    """``(kernels(), False)``; in a training op (``training``), a launch whose binary is still
+    building raises ``NotReady`` (it starts the build, ``kernels/triton/direct.py``) and the
+    call is served on the chunked path instead: ``(chunked(), True)``.  Both paths keep the
+    same contract for what the backward reads (winners, log-sum-exp), so a forward served one
+    way and its backward the other agree.  Inference calls wait for their binaries."""
+    defer = defer_compiles() if training else None
+    try:
+        return kernels(), False
+    except NotReady:
+        return chunked(), True
+    finally:
+        forget(defer)
+
+
 def _shape_of_scores(Q, D, layout):
     """(score shape, documents per query, Ld) of a MaxSim call."""
     if layout == CROSS:
@@ -125,25 +143,22 @@ def maxsim_forward(
     backward's kernels compile beside this forward's if it compiles, and a binary not built
     yet is served on the chunked path meanwhile (``kernels/triton/ahead.py``)."""
     path = _path(Q, "maxsim", "")
-    ahead = defer = None
+    ahead = None
     if save_argmax:
         ahead = expect(_maxsim_backward_ahead, (Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q,
                                                 need_d), _maxsim_step_ahead)
-        defer = defer_compiles()
     if layout == PAIRS:
         D = D.unsqueeze(1)
         d_mask = None if d_mask is None else d_mask.unsqueeze(1)
     options = dict(cross=layout == CROSS, normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
     try:
-        scores, argmax = implementation(path).maxsim.forward(Q, D, q_mask, d_mask, **options)
-    except NotReady:    # a training step's binary is building in the background: this step, chunked
-        path = "torch-chunked"
-        scores, argmax = implementation(path).maxsim.forward(Q, D, q_mask, d_mask, **options)
+        (scores, argmax), chunked = _serve(save_argmax,
+                                           lambda: implementation(path).maxsim.forward(Q, D, q_mask, d_mask, **options),
+                                           lambda: implementation(CHUNKED).maxsim.forward(Q, D, q_mask, d_mask, **options))
     finally:
-        forget(defer)
         forget(ahead)
     if entry:
-        record(entry, path)
+        record(entry, CHUNKED if chunked else path)
     if layout == PAIRS:
         scores = scores.squeeze(1)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
@@ -207,13 +222,8 @@ def maxsim_backward(
         grad = grad.unsqueeze(1)
     options = dict(cross=cross, normalize=normalize, need_q=need_q, need_d=need_d, strategy=strategy,
                    q_masked=q_masked)
-    defer = defer_compiles()
-    try:
-        gq, gd = implementation(path).maxsim.backward(grad, Q, D_view, argmax, **options)
-    except NotReady:    # as in maxsim_forward: the winners' contract is the same on both paths
-        gq, gd = implementation("torch-chunked").maxsim.backward(grad, Q, D_view, argmax, **options)
-    finally:
-        forget(defer)
+    (gq, gd), _ = _serve(True, lambda: implementation(path).maxsim.backward(grad, Q, D_view, argmax, **options),
+                         lambda: implementation(CHUNKED).maxsim.backward(grad, Q, D_view, argmax, **options))
     if gd is not None and layout == PAIRS:
         gd = gd.squeeze(1)
     return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
@@ -274,18 +284,13 @@ def _pairs_of(pair_q, pair_d):
     return None if pair_q is None else (pair_q, pair_d)
 
 
-def _varlen_impl(t: torch.Tensor, entry: str):
-    """The launchers of the path that serves a packed op: every path with a packed forward
-    (Triton, chunked); others (Metal) are served by the chunked path, and counted so."""
+def _varlen_path(t: torch.Tensor) -> str:
+    """The path that serves a packed op: every path with a packed forward (Triton, chunked);
+    others (Metal) are served by the chunked path, and counted so."""
     path = served_by(t, "maxsim")
-    if path == "reference":
-        path = "torch-chunked"
-    impl = implementation(path)
-    if not hasattr(impl.maxsim, "varlen_forward"):
-        path, impl = "torch-chunked", implementation("torch-chunked")
-    if entry:
-        record(entry, path)
-    return impl
+    if path == "reference" or not hasattr(implementation(path).maxsim, "varlen_forward"):
+        path = CHUNKED
+    return path
 
 
 def _varlen_forward_fake(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d, normalize, zero_mode,
@@ -313,17 +318,23 @@ def maxsim_varlen_forward(
     the winners (``[Nq, Nd, max_q]`` / ``[P, max_q]``; -1: none).  ``save_argmax``: the
     backward (``need_q``, ``need_d``) follows, and compiles beside this forward if it compiles
     (packed lengths are not guessed: their kernels take the lengths from the offsets)."""
-    impl = _varlen_impl(Q, entry)
+    path = _varlen_path(Q)
     ahead = None
     if save_argmax:
         ahead = expect(_varlen_backward_ahead, (Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
                                                 normalize, zero_mode, need_q, need_d))
-    try:
-        scores, argmax = impl.maxsim.varlen_forward(
+
+    def forward(on):
+        return implementation(on).maxsim.varlen_forward(
             Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), q_mask, d_mask, max_q=max_q, max_d=max_d,
             normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
+
+    try:
+        (scores, argmax), chunked = _serve(save_argmax, lambda: forward(path), lambda: forward(CHUNKED))
     finally:
         forget(ahead)
+    if entry:
+        record(entry, CHUNKED if chunked else path)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
 
 
@@ -339,9 +350,11 @@ def maxsim_varlen_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_Q, grad_D)`` of the packed tokens through the saved winners (empty where not
     needed); duplicate pairs accumulate."""
-    impl = _varlen_impl(Q, "")
-    gq, gd = impl.maxsim.varlen_backward(grad, Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), argmax,
-                                         normalize=normalize, need_q=need_q, need_d=need_d)
+    def backward(on):
+        return implementation(on).maxsim.varlen_backward(grad, Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), argmax,
+                                                         normalize=normalize, need_q=need_q, need_d=need_d)
+
+    (gq, gd), _ = _serve(True, lambda: backward(_varlen_path(Q)), lambda: backward(CHUNKED))
     return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
 
 
@@ -403,14 +416,20 @@ def smooth_maxsim_forward(Q: torch.Tensor, D: torch.Tensor, tau: float, layout: 
     """Smooth-max scores and the per-row log-sum-exp ``[Nq, NJ, Lq]`` (fp32; fp64 inputs: fp64).
     ``need_q`` / ``need_d``: the backward that follows (neither: none), which compiles beside
     this forward if it compiles."""
-    impl = implementation(_path(Q, "smooth", entry))
+    path = _path(Q, "smooth", "")
+    training = need_q or need_d
     ahead = None
-    if need_q or need_d:
+    if training:
         ahead = expect(_smooth_backward_ahead, (Q, D, tau, layout, need_q, need_d), _smooth_step_ahead)
+    D_view = D.unsqueeze(1) if layout == PAIRS else D
     try:
-        scores, lse = impl.smooth.smooth_forward(Q, D.unsqueeze(1) if layout == PAIRS else D, tau, layout == CROSS)
+        (scores, lse), chunked = _serve(
+            training, lambda: implementation(path).smooth.smooth_forward(Q, D_view, tau, layout == CROSS),
+            lambda: implementation(CHUNKED).smooth.smooth_forward(Q, D_view, tau, layout == CROSS))
     finally:
         forget(ahead)
+    if entry:
+        record(entry, CHUNKED if chunked else path)
     return (scores.squeeze(1) if layout == PAIRS else scores), lse
 
 
@@ -422,10 +441,12 @@ def _smooth_backward_fake(grad, Q, D, lse, tau, layout, need_q, need_d):
 def smooth_maxsim_backward(grad: torch.Tensor, Q: torch.Tensor, D: torch.Tensor, lse: torch.Tensor, tau: float,
                            layout: int, need_q: bool, need_d: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients from the recomputed softmax weights ``exp(S / tau - lse)``."""
-    impl = implementation(_path(Q, "smooth", ""))
+    path = _path(Q, "smooth", "")
     pairs = layout == PAIRS
-    gq, gd = impl.smooth.smooth_backward(Q, D.unsqueeze(1) if pairs else D, lse, grad.unsqueeze(1) if pairs else grad,
-                                  tau, layout == CROSS, need_q, need_d)
+    args = (Q, D.unsqueeze(1) if pairs else D, lse, grad.unsqueeze(1) if pairs else grad, tau, layout == CROSS, need_q,
+            need_d)
+    (gq, gd), _ = _serve(True, lambda: implementation(path).smooth.smooth_backward(*args),
+                         lambda: implementation(CHUNKED).smooth.smooth_backward(*args))
     gq = _no_tensor(Q) if gq is None else gq.to(Q.dtype)
     gd = _no_tensor(D) if gd is None else (gd.squeeze(1) if pairs else gd).to(D.dtype)
     return gq, gd

@@ -281,6 +281,60 @@ def test_a_training_step_runs_chunked_while_its_binaries_build(monkeypatch):
     assert building["left"] == 1 and routing_counts()["maxsim"]["triton"] == 2
 
 
+@pytest.mark.parametrize("family", ["smooth", "packed"])
+@pytest.mark.parametrize("building", [2, 1], ids=["both-building", "forward-building"])
+def test_smooth_and_packed_steps_run_chunked_while_their_binaries_build(monkeypatch, family, building):
+    """The smooth-max and packed training ops serve a binary still building on the chunked
+    path too, forward and backward each on its own: with both building, the step is the
+    chunked path's bit for bit; with only the forward's binary building, the chunked
+    forward's saved log-sum-exp / winners feed the kernels' backward, which must agree with
+    the chunked backward (the two paths' shared contract)."""
+    from lik_plugins._routing import reset_routing_counts, routing_counts
+    from lik_plugins.kernels.expected import NotReady, deferring
+
+    left = {"n": building}
+    deferred = []
+
+    def defer_if_building(kernel, args, meta, needed):
+        if deferring() and left["n"] > 0:
+            left["n"] -= 1
+            deferred.append(needed[0])
+            raise NotReady(needed[0])
+
+    monkeypatch.setattr(direct, "_defer_if_building", defer_if_building)
+    monkeypatch.setattr(direct, "_VARIANTS", set())
+    gen = torch.Generator().manual_seed(7)
+    Q, D, _ = _inputs(gen, 4, 6, 4, 24)
+
+    def loss_of(q, d):
+        if family == "smooth":
+            return F.cross_entropy(lik.smooth_maxsim(q, d, tau=0.1), torch.arange(4))
+        qp, cu_q, mq = lik.pack(list(q.unbind(0)))
+        dp, cu_d, md = lik.pack([t[:5 + 4 * i] for i, t in enumerate(d.unbind(0))])
+        return F.cross_entropy(lik.maxsim_varlen(qp, dp, cu_q, cu_d, mq, md), torch.arange(4))
+
+    def step(backend):
+        monkeypatch.setenv("LIK_BACKEND", backend)
+        q, d = Q.detach().clone().requires_grad_(), D.detach().clone().requires_grad_()
+        loss = loss_of(q, d)
+        loss.backward()
+        return loss.detach(), q.grad, d.grad
+
+    op = "smooth_maxsim" if family == "smooth" else "maxsim_varlen"   # the public entries, as routing counts them
+    chunked = step("torch-chunked")
+    reset_routing_counts()
+    first = step("triton")
+    assert len(deferred) == building and left["n"] == 0, deferred
+    assert routing_counts()[op] == {"torch-chunked": 1}, routing_counts()
+    exact = building == 2
+    for got, want in zip(first, chunked):
+        torch.testing.assert_close(got, want, rtol=0 if exact else 1e-4, atol=0 if exact else 1e-5)
+    second = step("triton")
+    assert routing_counts()[op] == {"torch-chunked": 1, "triton": 1}
+    for got, want in zip(second, chunked):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_a_compiled_training_step_expects_its_backward_and_serves_while_building(monkeypatch):
     """Under ``torch.compile`` the graph calls the registered ops, and they expect the
     backward and serve a binary not built yet on the chunked path themselves, as in eager

@@ -27,8 +27,8 @@ threads against 2 with processes over two runs of each, first 10 steps equal
 
 The training ops set the expectation themselves (``library.maxsim_forward`` saving its winners,
 the smooth-max and packed forwards asked for their backward's gradients), so a
-``torch.compile``d step gets it when its graph runs them, as eager code does; the hard-max ops
-(forward and ``maxsim_backward``) also serve while compiling, below.
+``torch.compile``d step gets it when its graph runs them, as eager code does; they also serve
+while compiling (``library._serve``), below.
 
 Serving while compiling: inside the op layer's training ops (``expected.defer_compiles``) a
 launch whose binary is not built does not wait for it: :func:`defer` starts its build (and
