@@ -233,6 +233,25 @@ def test_queued_compiles_do_not_hold_up_the_exit(tmp_path):
     assert elapsed < 8, elapsed          # twelve queued seconds would be > 12
 
 
+def _pretend_building(monkeypatch, n: int, note=lambda needed: needed[0]) -> dict:
+    """The first ``n`` launches inside training ops find their binary building: they raise
+    ``NotReady`` as ``direct._defer_if_building`` does on a GPU (which also starts the build).
+    ``state["deferred"]``: ``note(needed)`` of each."""
+    from lik_plugins.kernels.expected import NotReady, deferring
+
+    state = {"left": n, "deferred": []}
+
+    def defer_if_building(kernel, args, meta, needed):
+        if deferring() and state["left"] > 0:
+            state["left"] -= 1
+            state["deferred"].append(note(needed))
+            raise NotReady(needed[0])
+
+    monkeypatch.setattr(direct, "_defer_if_building", defer_if_building)
+    monkeypatch.setattr(direct, "_VARIANTS", set())
+    return state
+
+
 def test_a_training_step_runs_chunked_while_its_binaries_build(monkeypatch):
     """Serving while compiling: inside the training ops a launch whose binary is not built
     raises ``NotReady`` (on a GPU: ``direct._defer_if_building``, which also starts the
@@ -240,20 +259,10 @@ def test_a_training_step_runs_chunked_while_its_binaries_build(monkeypatch):
     the same winners' contract, the same gradients -- and counts it so.  Once built, the
     kernels serve.  An inference call never defers (it waits for its binary)."""
     from lik_plugins._routing import reset_routing_counts, routing_counts
-    from lik_plugins.kernels.expected import NotReady, deferring
 
     monkeypatch.setenv("LIK_BACKEND", "triton")
-    building = {"left": 2}      # the forward's and the backward's first binaries are "building"
-    deferred = []
-
-    def defer_if_building(kernel, args, meta, needed):
-        if deferring() and building["left"] > 0:
-            building["left"] -= 1
-            deferred.append(needed[0])
-            raise NotReady(needed[0])
-
-    monkeypatch.setattr(direct, "_defer_if_building", defer_if_building)
-    monkeypatch.setattr(direct, "_VARIANTS", set())
+    building = _pretend_building(monkeypatch, 2)    # the forward's and the backward's first binaries
+    deferred = building["deferred"]
     gen = torch.Generator().manual_seed(3)
     Q, D, dm = _inputs(gen, 4, 6, 5, 30)
 
@@ -290,19 +299,8 @@ def test_smooth_and_packed_steps_run_chunked_while_their_binaries_build(monkeypa
     forward's saved log-sum-exp / winners feed the kernels' backward, which must agree with
     the chunked backward (the two paths' shared contract)."""
     from lik_plugins._routing import reset_routing_counts, routing_counts
-    from lik_plugins.kernels.expected import NotReady, deferring
 
-    left = {"n": building}
-    deferred = []
-
-    def defer_if_building(kernel, args, meta, needed):
-        if deferring() and left["n"] > 0:
-            left["n"] -= 1
-            deferred.append(needed[0])
-            raise NotReady(needed[0])
-
-    monkeypatch.setattr(direct, "_defer_if_building", defer_if_building)
-    monkeypatch.setattr(direct, "_VARIANTS", set())
+    left = _pretend_building(monkeypatch, building)
     gen = torch.Generator().manual_seed(7)
     Q, D, _ = _inputs(gen, 4, 6, 4, 24)
 
@@ -324,7 +322,7 @@ def test_smooth_and_packed_steps_run_chunked_while_their_binaries_build(monkeypa
     chunked = step("torch-chunked")
     reset_routing_counts()
     first = step("triton")
-    assert len(deferred) == building and left["n"] == 0, deferred
+    assert len(left["deferred"]) == building and left["left"] == 0, left
     assert routing_counts()[op] == {"torch-chunked": 1}, routing_counts()
     exact = building == 2
     for got, want in zip(first, chunked):
@@ -342,21 +340,14 @@ def test_a_compiled_training_step_expects_its_backward_and_serves_while_building
     needs), the backward's finds nothing left to expect; both calls chunked, the results
     the chunked path's; once built, the kernels serve the compiled step."""
     from lik_plugins._routing import reset_routing_counts, routing_counts
-    from lik_plugins.kernels.expected import NotReady, deferring, take
+    from lik_plugins.kernels.expected import take
+
+    def note(needed):
+        taken = take()
+        return needed[0], None if taken is None else (taken[0].__name__, taken[1][-2:])
 
     monkeypatch.setenv("LIK_BACKEND", "triton")
-    building = {"left": 2}
-    seen = []
-
-    def defer_if_building(kernel, args, meta, needed):
-        if deferring() and building["left"] > 0:
-            building["left"] -= 1
-            taken = take()
-            seen.append((needed[0], None if taken is None else (taken[0].__name__, taken[1][-2:])))
-            raise NotReady(needed[0])
-
-    monkeypatch.setattr(direct, "_defer_if_building", defer_if_building)
-    monkeypatch.setattr(direct, "_VARIANTS", set())
+    seen = _pretend_building(monkeypatch, 2, note)["deferred"]
     gen = torch.Generator().manual_seed(5)
     Q, D, dm = _inputs(gen, 4, 6, 5, 30)
 
