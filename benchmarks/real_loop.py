@@ -4,9 +4,11 @@
                                            [--steps 80] [--compile] [--warm] [--repeats N]
 
 Every (loop, implementation, compile) cell runs in a fresh Python process with an empty
-``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR``, so its first steps pay everything a new node pays: imports, Triton
-compiles, autotuning.  ``--warm`` runs each cell a second time in another fresh process on
-the same (now filled) cache directory: what a second job on the same node pays.
+``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR``, so its first steps pay everything a new
+node pays: imports, Triton and Inductor compiles, autotuning.  ``--warm`` runs each cell a
+second time in another fresh process on the same (now filled) cache directories: what a second
+job on the same node pays.  ``--sample-spikes MS`` samples every thread's stack during slow
+steps (what a slow step waited on); compiled cells list Dynamo's recompiles.
 
 Loops (bf16, d = 128, in-batch cross entropy over ``maxsim(Q, D, None, d_mask)``, AdamW-free:
 the kernels are what is measured; ``pylate`` is the real training loop):
@@ -44,6 +46,7 @@ IMPLS = ("lik_plugins", "late-interaction-kernels", "flash-maxsim", "torch")
 # with LIK_COMPILE_AHEAD=thread: compiled ahead in threads of the process
 EXTRA_IMPLS = ("lik_plugins-serial", "lik_plugins-thread")
 AHEAD_MODE = {"lik_plugins-serial": "0", "lik_plugins-thread": "thread"}
+BULKY = ("variants", "compiles", "spike_samples", "recompiles")   # in the JSON, not in the progress lines
 
 
 # ----------------------------------------------------------------------------- one cell
@@ -379,7 +382,8 @@ def markdown(rows, meta) -> str:
     out = [f"# Real loops from a cold start ({meta['device']}, {meta['date']})", "",
            f"torch {meta['torch']}, triton {meta['triton']}; {meta.get('peers', '')}", "",
            f"Command: `{meta['command']}`", "",
-           "Each cell: a fresh process; `cold` = empty Triton and Inductor caches, `warm` = a second process on those caches. "
+           "Each cell: a fresh process; `cold` = empty Triton and Inductor caches, `warm` = a second process on "
+           "those caches. "
            "`set-up`: the cell's seconds outside its steps (imports, patching, building the model, each step's data); "
            "`process`: the whole process, interpreter start to exit. Before the cells, one untimed process "
            f"ran a Triton kernel on a throwaway cache and, for the PyLate loop, two of its steps on PyLate's torch "
@@ -524,7 +528,7 @@ def main() -> int:
                                            args.sample_spikes)
                             row["repeat"] = repeat
                             rows.append(row)
-                            print(json.dumps({k: v for k, v in row.items() if k not in ("variants", "compiles", "spike_samples")}),
+                            print(json.dumps({k: v for k, v in row.items() if k not in BULKY}),
                                   flush=True)
                             with open(os.path.join(args.out_dir, "real_loop.json"), "w") as fh:
                                 json.dump({"meta": meta, "rows": rows}, fh, indent=1)

@@ -72,6 +72,9 @@ def _registered(name: str, fake):
     return wrap
 
 
+CHUNKED = "torch-chunked"      # the path that serves what the others cannot (yet)
+
+
 def _no_tensor(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     # A custom op returns tensors, never None: an absent result is an empty tensor.
     return like.new_empty((0,), dtype=dtype)
@@ -82,13 +85,10 @@ def _path(t: torch.Tensor, op: str, entry: str, dim: int = 0) -> str:
     if path == "reference":
         # The public ops run the reference themselves; a compiled graph that was traced
         # before LIK_DISABLE / LIK_BACKEND=reference was set lands here: same semantics.
-        path = "torch-chunked"
+        path = CHUNKED
     if entry:
         record(entry, path)
     return path
-
-
-CHUNKED = "torch-chunked"
 
 
 def _serve(training: bool, kernels, chunked):
@@ -151,10 +151,11 @@ def maxsim_forward(
         D = D.unsqueeze(1)
         d_mask = None if d_mask is None else d_mask.unsqueeze(1)
     options = dict(cross=layout == CROSS, normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
+    def forward(on):
+        return implementation(on).maxsim.forward(Q, D, q_mask, d_mask, **options)
+
     try:
-        (scores, argmax), chunked = _serve(save_argmax,
-                                           lambda: implementation(path).maxsim.forward(Q, D, q_mask, d_mask, **options),
-                                           lambda: implementation(CHUNKED).maxsim.forward(Q, D, q_mask, d_mask, **options))
+        (scores, argmax), chunked = _serve(save_argmax, lambda: forward(path), lambda: forward(CHUNKED))
     finally:
         forget(ahead)
     if entry:
@@ -222,8 +223,10 @@ def maxsim_backward(
         grad = grad.unsqueeze(1)
     options = dict(cross=cross, normalize=normalize, need_q=need_q, need_d=need_d, strategy=strategy,
                    q_masked=q_masked)
-    (gq, gd), _ = _serve(True, lambda: implementation(path).maxsim.backward(grad, Q, D_view, argmax, **options),
-                         lambda: implementation(CHUNKED).maxsim.backward(grad, Q, D_view, argmax, **options))
+    def backward(on):
+        return implementation(on).maxsim.backward(grad, Q, D_view, argmax, **options)
+
+    (gq, gd), _ = _serve(True, lambda: backward(path), lambda: backward(CHUNKED))
     if gd is not None and layout == PAIRS:
         gd = gd.squeeze(1)
     return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
@@ -839,7 +842,7 @@ def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
     from .kernels.reference import lengths_mask
 
     d_mask = lengths_mask(doc_lengths, codes.shape[1])
-    record("plaid_approx_score", "torch-chunked")
+    record("plaid_approx_score", CHUNKED)
     n, ld = codes.shape
     out = torch.empty((n,), dtype=torch.float32, device=codes.device)
     step = max(1, min(max(n, 1), chunk_elements() // max(ld * scores.shape[1], 1)))
