@@ -4,7 +4,9 @@ loads them from the disk cache, in its background threads) or by background thre
 (``LIK_COMPILE_AHEAD=thread``) -- while that first step runs on the chunked path; no binary
 is built in the caller's or autograd's thread, none twice.  The next step runs on the
 kernels, with the gradients of the same step with compile-ahead off (which compiles in the
-caller's thread and serves every step from the kernels)."""
+caller's thread and serves every step from the kernels).  The same for a ``torch.compile``d
+step (no binary built twice although Inductor changes Triton's environment) and for the
+smooth-max and packed training ops."""
 from __future__ import annotations
 
 import json
@@ -109,8 +111,14 @@ def test_a_cold_step_runs_chunked_while_every_kernel_builds_in_the_background(tm
 
 
 COMPILED = textwrap.dedent("""
-    import json, sys
-    import torch, torch.nn.functional as F
+    import json, sys, threading
+    import torch, torch.nn.functional as F, triton
+    built_here = []
+    def listen(*, src, metadata, metadata_group, times, cache_hit):
+        name = getattr(src, "name", str(src))
+        if not cache_hit and name.startswith("maxsim"):
+            built_here.append([name, threading.current_thread().name])
+    triton.knobs.compilation.listener = listen
     import lik_plugins as lik
     from lik_plugins.kernels.triton import ahead
 
@@ -143,7 +151,8 @@ COMPILED = textwrap.dedent("""
         if step == 1:
             for future in list(ahead._pending.values()):   # every background build done: the kernels next
                 future.result()
-    print("RESULT " + json.dumps(dict(served=served, errors=errors)))
+    print("RESULT " + json.dumps(dict(served=served, errors=errors, built_here=built_here,
+                                      process=ahead.process_compiles())))
 """)
 
 
@@ -167,3 +176,72 @@ def test_a_compiled_cold_step_serves_while_its_kernels_build(mode):
     assert served[0] == {"torch-chunked": 1}, served
     assert any(s.get("triton") for s in served[1:]), served             # (replays count nothing)
     assert not any(s.get("torch-chunked") for s in served[2:]), served
+    # Inductor points TRITON_PTXAS_PATH at PyTorch's ptxas after the compiler processes
+    # started: they must still build under this process's keys, or it builds every binary again
+    assert result["process"] and all(ok for _, _, ok, _ in result["process"]), result["process"]
+    assert not result["built_here"], result["built_here"]
+
+
+SERVED_FAMILY = textwrap.dedent("""
+    import json, sys
+    import torch, torch.nn.functional as F
+    import lik_plugins as lik
+    from lik_plugins.kernels.triton import ahead
+
+    family = sys.argv[1]
+    n, lq, ld = 16, 24, 120
+    lengths = [ld - 5 * i for i in range(n)]
+
+    def scores(Q, D):
+        if family == "smooth":
+            return lik.smooth_maxsim(Q, D, tau=0.1)
+        qp, cu_q, mq = lik.pack(list(Q.unbind(0)))
+        dp, cu_d, md = lik.pack([t[:k] for t, k in zip(D.unbind(0), lengths)])
+        return lik.maxsim_varlen(qp, dp, cu_q, cu_d, mq, md)
+
+    def reference(Q, D):
+        sim = torch.einsum("ash,bth->abst", Q.float(), D.float())
+        if family == "smooth":
+            return (torch.logsumexp(sim / 0.1, dim=-1) * 0.1).sum(-1)
+        valid = torch.arange(ld, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]
+        return sim.masked_fill(~valid[None, :, None, :], float("-inf")).amax(-1).sum(-1)
+
+    served, errors = [], []
+    for step in range(4):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        Q = F.normalize(torch.randn(n, lq, 128, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
+        D = F.normalize(torch.randn(n, ld, 128, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
+        lik.reset_routing_counts()
+        loss = F.cross_entropy(scores(Q, D) / 0.05, torch.arange(n, device="cuda"))
+        got = (loss.detach(), *torch.autograd.grad(loss, (Q, D)))
+        served.append(dict(lik.routing_counts().get(sys.argv[2], {})))
+        want_loss = F.cross_entropy(reference(Q, D) / 0.05, torch.arange(n, device="cuda"))
+        want = (want_loss.detach(), *torch.autograd.grad(want_loss, (Q, D)))
+        for a, b in zip(got, want):
+            try:
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+            except AssertionError as exc:
+                errors.append(f"step {step}: {exc}"[:300])
+        for future in list(ahead._pending.values()):   # every background build done: the kernels next
+            future.result()
+    print("RESULT " + json.dumps(dict(served=served, errors=errors, process=ahead.process_compiles())))
+""")
+
+
+@pytest.mark.parametrize("family,entry", [("smooth", "smooth_maxsim"), ("packed", "maxsim_varlen")])
+def test_smooth_and_packed_cold_steps_serve_while_their_kernels_build(family, entry):
+    """The smooth-max and packed training ops in a fresh process on an empty cache: the first
+    step on the chunked path while compiler processes build the kernels, the next ones on the
+    kernels; every step's loss and gradients match a float32 einsum reference."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, LIK_SERVE_WHILE_COMPILING="1")
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("LIK_COMPILE_AHEAD", None)
+        done = subprocess.run([sys.executable, "-c", SERVED_FAMILY, family, entry], env=env, capture_output=True,
+                              text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert not result["errors"], result["errors"]
+    assert result["served"][0] == {"torch-chunked": 1}, result["served"]
+    assert all(s == {"triton": 1} for s in result["served"][1:]), result["served"]
+    assert result["process"] and all(ok for _, _, ok, _ in result["process"]), result["process"]
