@@ -195,7 +195,8 @@ def _listen_to_recompiles(out: list, step_index) -> None:
         def emit(self, record):
             text = record.getMessage()
             if "triggered by the following guard failure" in text or "Recompiling function" in text:
-                out.append([step_index(), " ".join(text.split())[:400]])
+                root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+                out.append([step_index(), " ".join(text.replace(root, "").split())[:400]])
 
     torch._logging.set_logs(recompiles=True)
     logging.getLogger("torch._dynamo").addHandler(Recompiles())
