@@ -91,19 +91,27 @@ def _path(t: torch.Tensor, op: str, entry: str, dim: int = 0) -> str:
     return path
 
 
-def _serve(training: bool, kernels, chunked):
-    """``(kernels(), False)``; in a training op (``training``), a launch whose binary is still
-    building raises ``NotReady`` (it starts the build, ``kernels/triton/direct.py``) and the
-    call is served on the chunked path instead: ``(chunked(), True)``.  Both paths keep the
-    same contract for what the backward reads (winners, log-sum-exp), so a forward served one
-    way and its backward the other agree.  Inference calls wait for their binaries."""
+def _serve(training: bool, call, path: str, entry: str = "", ahead=None):
+    """``call(path)``, the op's work on the path that serves it.  In a training op
+    (``training``), a launch whose binary is still building raises ``NotReady`` (it starts the
+    build, ``kernels/triton/direct.py``) and the call is served by ``call(CHUNKED)`` instead.
+    Both paths keep the same contract for what the backward reads (winners, log-sum-exp), so a
+    forward served one way and its backward the other agree.  Inference calls wait for their
+    binaries.  ``entry``: the public op to count the serving path for; ``ahead``: a forward's
+    expectation of its backward (``expected.expect``), dropped once the call is made."""
     defer = defer_compiles() if training else None
     try:
-        return kernels(), False
-    except NotReady:
-        return chunked(), True
+        try:
+            result = call(path)
+        except NotReady:
+            path = CHUNKED
+            result = call(path)
     finally:
         forget(defer)
+        forget(ahead)
+    if entry:
+        record(entry, path)
+    return result
 
 
 def _shape_of_scores(Q, D, layout):
@@ -151,15 +159,11 @@ def maxsim_forward(
         D = D.unsqueeze(1)
         d_mask = None if d_mask is None else d_mask.unsqueeze(1)
     options = dict(cross=layout == CROSS, normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
+
     def forward(on):
         return implementation(on).maxsim.forward(Q, D, q_mask, d_mask, **options)
 
-    try:
-        (scores, argmax), chunked = _serve(save_argmax, lambda: forward(path), lambda: forward(CHUNKED))
-    finally:
-        forget(ahead)
-    if entry:
-        record(entry, CHUNKED if chunked else path)
+    scores, argmax = _serve(save_argmax, forward, path, entry, ahead)
     if layout == PAIRS:
         scores = scores.squeeze(1)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
@@ -226,7 +230,7 @@ def maxsim_backward(
     def backward(on):
         return implementation(on).maxsim.backward(grad, Q, D_view, argmax, **options)
 
-    (gq, gd), _ = _serve(True, lambda: backward(path), lambda: backward(CHUNKED))
+    gq, gd = _serve(True, backward, path)
     if gd is not None and layout == PAIRS:
         gd = gd.squeeze(1)
     return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
@@ -332,12 +336,7 @@ def maxsim_varlen_forward(
             Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), q_mask, d_mask, max_q=max_q, max_d=max_d,
             normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
 
-    try:
-        (scores, argmax), chunked = _serve(save_argmax, lambda: forward(path), lambda: forward(CHUNKED))
-    finally:
-        forget(ahead)
-    if entry:
-        record(entry, CHUNKED if chunked else path)
+    scores, argmax = _serve(save_argmax, forward, path, entry, ahead)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
 
 
@@ -357,7 +356,7 @@ def maxsim_varlen_backward(
         return implementation(on).maxsim.varlen_backward(grad, Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), argmax,
                                                          normalize=normalize, need_q=need_q, need_d=need_d)
 
-    (gq, gd), _ = _serve(True, lambda: backward(_varlen_path(Q)), lambda: backward(CHUNKED))
+    gq, gd = _serve(True, backward, _varlen_path(Q))
     return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
 
 
@@ -425,14 +424,8 @@ def smooth_maxsim_forward(Q: torch.Tensor, D: torch.Tensor, tau: float, layout: 
     if training:
         ahead = expect(_smooth_backward_ahead, (Q, D, tau, layout, need_q, need_d), _smooth_step_ahead)
     D_view = D.unsqueeze(1) if layout == PAIRS else D
-    try:
-        (scores, lse), chunked = _serve(
-            training, lambda: implementation(path).smooth.smooth_forward(Q, D_view, tau, layout == CROSS),
-            lambda: implementation(CHUNKED).smooth.smooth_forward(Q, D_view, tau, layout == CROSS))
-    finally:
-        forget(ahead)
-    if entry:
-        record(entry, CHUNKED if chunked else path)
+    scores, lse = _serve(training, lambda on: implementation(on).smooth.smooth_forward(Q, D_view, tau, layout == CROSS),
+                         path, entry, ahead)
     return (scores.squeeze(1) if layout == PAIRS else scores), lse
 
 
@@ -448,8 +441,7 @@ def smooth_maxsim_backward(grad: torch.Tensor, Q: torch.Tensor, D: torch.Tensor,
     pairs = layout == PAIRS
     args = (Q, D.unsqueeze(1) if pairs else D, lse, grad.unsqueeze(1) if pairs else grad, tau, layout == CROSS, need_q,
             need_d)
-    (gq, gd), _ = _serve(True, lambda: implementation(path).smooth.smooth_backward(*args),
-                         lambda: implementation(CHUNKED).smooth.smooth_backward(*args))
+    gq, gd = _serve(True, lambda on: implementation(on).smooth.smooth_backward(*args), path)
     gq = _no_tensor(Q) if gq is None else gq.to(Q.dtype)
     gd = _no_tensor(D) if gd is None else (gd.squeeze(1) if pairs else gd).to(D.dtype)
     return gq, gd

@@ -110,7 +110,21 @@ def test_a_cold_step_runs_chunked_while_every_kernel_builds_in_the_background(tm
         assert torch.equal(got, want)
 
 
-COMPILED = textwrap.dedent("""
+# Both step scripts below: each step's loss and gradients against a float32 reference (bf16 inputs).
+MISMATCHES = textwrap.dedent("""
+    import torch
+
+    def mismatches(step, got, want):
+        found = []
+        for a, b in zip(got, want):
+            try:
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+            except AssertionError as exc:
+                found.append(f"step {step}: {exc}"[:300])
+        return found
+""")
+
+COMPILED = MISMATCHES + textwrap.dedent("""
     import json, sys, threading
     import torch, torch.nn.functional as F, triton
     built_here = []
@@ -143,11 +157,7 @@ COMPILED = textwrap.dedent("""
         served.append(dict(lik.routing_counts().get("maxsim", {})))
         want_loss = reference(Q, D, dm)
         want = (want_loss.detach(), *torch.autograd.grad(want_loss, (Q, D)))
-        for a, b in zip(got, want):
-            try:
-                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
-            except AssertionError as exc:
-                errors.append(f"step {step}: {exc}"[:300])
+        errors += mismatches(step, got, want)
         if step == 1:
             for future in list(ahead._pending.values()):   # every background build done: the kernels next
                 future.result()
@@ -182,7 +192,7 @@ def test_a_compiled_cold_step_serves_while_its_kernels_build(mode):
     assert not result["built_here"], result["built_here"]
 
 
-SERVED_FAMILY = textwrap.dedent("""
+SERVED_FAMILY = MISMATCHES + textwrap.dedent("""
     import json, sys
     import torch, torch.nn.functional as F
     import lik_plugins as lik
@@ -217,11 +227,7 @@ SERVED_FAMILY = textwrap.dedent("""
         served.append(dict(lik.routing_counts().get(sys.argv[2], {})))
         want_loss = F.cross_entropy(reference(Q, D) / 0.05, torch.arange(n, device="cuda"))
         want = (want_loss.detach(), *torch.autograd.grad(want_loss, (Q, D)))
-        for a, b in zip(got, want):
-            try:
-                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
-            except AssertionError as exc:
-                errors.append(f"step {step}: {exc}"[:300])
+        errors += mismatches(step, got, want)
         for future in list(ahead._pending.values()):   # every background build done: the kernels next
             future.result()
     print("RESULT " + json.dumps(dict(served=served, errors=errors, process=ahead.process_compiles())))
