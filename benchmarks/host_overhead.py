@@ -4,7 +4,10 @@
 
 For each call (bf16 ``maxsim`` and ``maxsim_int8`` on 1 query x 10k documents of 300 tokens,
 the int8 query quantised inside the scoring kernel or by its own launch; a small 8 x 8
-forward; ``plaid_approx_score`` over the same 10k documents' codes), three numbers in microseconds, medians over ``--reps`` calls:
+forward, and the same forward one layer down -- the op's implementation, as eager calls run
+it, against the registered ``lik::maxsim_forward`` through the dispatcher, as a compiled
+graph calls it; ``plaid_approx_score`` over the same 10k documents' codes), three numbers in
+microseconds, medians over ``--reps`` calls:
 
 * ``host``: wall time of the call with an empty GPU queue (a launch returns once queued,
   so this is the Python, checks and launch path -- unless something in it synchronises,
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import lik_plugins as lik
-from lik_plugins import fp8
+from lik_plugins import fp8, library
 
 
 def _calls():
@@ -45,6 +48,7 @@ def _calls():
     codes = torch.randint(0, 16384, (10000, 300), generator=g, dtype=torch.int32).cuda()
     lengths = torch.full((10000,), 300, dtype=torch.int32).cuda()
     fused_limit = fp8.FUSED_QUANTISATION_ELEMENTS
+    small = (Qs, Ds, None, None, library.CROSS, False, False, False, "", "auto", False, False)
 
     def with_limit(limit, fn):
         def call():
@@ -62,6 +66,10 @@ def _calls():
         "int8 maxsim_int8, query quantised by its own launch": with_limit(0, lambda: lik.maxsim_int8(Q, index)),
         "bf16 maxsim 8x8 Ld300 (launch-bound)": lambda: lik.maxsim(Qs, Ds),
         "plaid_approx_score 1x10000 Ld300 C16384": lambda: lik.plaid_approx_score(centroid_scores, codes, lengths),
+        # the same 8 x 8 forward one layer down: as an eager call runs it (the op's Python
+        # implementation) and as a compiled graph does (the registered op, through the dispatcher)
+        "lik::maxsim_forward 8x8, implementation (eager)": lambda: library.maxsim_forward(*small),
+        "lik::maxsim_forward 8x8, registered op (compiled graphs)": lambda: library.maxsim_forward.op(*small),
     }
 
 
