@@ -35,11 +35,15 @@ it.  Either way the same function computes.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Optional
 
 import torch
 
+from ._config import chunk_elements
 from ._routing import record
+from .kernels import chunked, reference
 from .kernels.common import COMPACT_MAX_ROWS, argmax_dtype
 from .kernels.expected import NotReady, defer_compiles, expect, forget
 from .kernels.dispatch import implementation, served_by, serves_width, sm_count
@@ -88,6 +92,14 @@ def _registered(name: str, fake):
         return call
 
     return wrap
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str):
+    """``lik_plugins.<name>``, imported at its first call and looked up once: the Triton
+    modules (never imported where no kernel launches) and ``fp8`` (which imports this
+    module).  An ``import`` statement inside an op cost ~1-2 us a call on CI's CPU."""
+    return importlib.import_module(f"lik_plugins.{name}")
 
 
 CHUNKED = "torch-chunked"      # the path that serves what the others cannot (yet)
@@ -519,26 +531,21 @@ def maxsim_fp8(
     """fp8 MaxSim: ``Q`` is e4m3 values with ``q_scales``, or float tokens (``q_scales``
     None) quantised here -- inside the scoring kernel where that is cheaper (see
     :func:`lik_plugins.fp8.fuse_query_quantisation`)."""
-    from . import fp8
-
+    fp8 = _module("fp8")
     path = _path(d_values, "fp8", entry)
     cross = d_values.dim() == 3
     if q_scales is None:
         if path == "triton" and fp8.fuse_query_quantisation(Q, d_values):
-            from .kernels.triton import launch
-
+            launch = _module("kernels.triton.launch")
             return launch.forward(Q, d_values, q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode,
                                   save_argmax=False, scales=(None, d_scales))[0]
         Q, q_scales = fp8.quantize_tokens(Q, path)
     if path == "triton":
-        from .kernels.triton import launch
-
+        launch = _module("kernels.triton.launch")
         return launch.forward(Q, d_values, q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode,
                               save_argmax=False, scales=(q_scales, d_scales))[0]
     # No fp8 matrix units here: the same numbers from the dequantised tokens, with the
     # bounded-memory path (it materialises fp32 tokens, 4x the fp8 bytes).
-    from .kernels import chunked, reference
-
     return chunked.forward(reference.dequantize_fp8(Q, q_scales), reference.dequantize_fp8(d_values, d_scales),
                            q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode, save_argmax=False)[0]
 
@@ -552,14 +559,11 @@ def maxsim_int8(
     """int8 MaxSim: ``Q`` is int8 values with ``q_scales``, or float tokens (``q_scales``
     None) quantised here.  The Triton kernel multiplies int8 x int8 into int32 and scales
     each similarity by its two tokens' scales before the max (where fp8's scales go)."""
-    from .kernels import chunked, reference
-
     path = _path(d_values, "int8", entry, d_values.shape[-1])
     cross = d_values.dim() == 3
     if path == "triton":
-        from .fp8 import fused_quantisation_fits
-        from .kernels.triton import launch, quantize
-
+        fused_quantisation_fits = _module("fp8").fused_quantisation_fits
+        launch, quantize = _module("kernels.triton.launch"), _module("kernels.triton.quantize")
         # A float query is quantised inside the scoring kernel where that is cheap (q_scales
         # stays None: ``QUANT_Q``; unlike fp8 also under the interpreter, whose int8 casts are
         # exact), else by one quantisation launch -- never torch's ~8 ops per call.
@@ -598,13 +602,10 @@ def maxsim_residual_forward(
     ``[Nd, Ld]`` int32, residuals ``[Nd, Ld, d*nbits/8]`` uint8, ``d_mask`` the lengths), and
     the winners when ``save_argmax``.  The Triton kernel decompresses (and normalises) each
     document tile on chip; the chunked path decompresses a bounded chunk of documents at a time."""
-    from .kernels import chunked, reference
-
     path = _path(Q, "residual", entry, Q.shape[-1])
     nd, ld = codes.shape
     if path == "triton":
-        from .kernels.triton import launch
-
+        launch = _module("kernels.triton.launch")
         weights = launch.stream_order_weights(bucket_weights, nbits)
         fmt = launch.DocFormat(launch.RESIDUAL, codes, centroids, weights, (0, *codes.stride()), centroids.shape[0],
                                nbits)
@@ -632,8 +633,6 @@ def maxsim_residual_backward(
     bucket_weights: torch.Tensor, argmax: torch.Tensor, nbits: int, normalize: bool,
 ) -> torch.Tensor:
     """grad_Q: each winning token is decompressed once (only those), on every path."""
-    from .kernels import chunked, reference
-
     ld, rbytes = residuals.shape[1], residuals.shape[2]
     positions, inverse, ok = chunked.winner_positions(argmax, ld)
     rows = reference.decompress_residual(codes.reshape(-1)[positions], residuals.reshape(-1, rbytes)[positions],
@@ -687,11 +686,8 @@ def maxsim_residual_varlen(
     offsets ``cu_d``, checked by the caller; ``max_d`` bounds the documents).  The Triton
     kernel reads each document's packed tokens in place (the forward's ``VARLEN`` layout);
     elsewhere the compressed tokens are padded first and scored as :func:`maxsim_residual_forward`."""
-    from .kernels import reference
-
     if _path(Q, "residual", "", Q.shape[-1]) == "triton":
-        from .kernels.triton import launch
-
+        launch = _module("kernels.triton.launch")
         record(entry, "triton")
         nq, lq, dim = Q.shape
         Qp = Q.contiguous().reshape(nq * lq, dim)
@@ -725,13 +721,10 @@ def maxsim_hidden_forward(
     """Scores of ``Q [Nq, Lq, d]`` against ``normalize(H @ W.T + b)`` (``H [Nd, Ld, h]``,
     ``W [d, h]``), and the winners when ``save_argmax``.  The Triton kernel projects each
     document tile on chip; the chunked path projects a bounded chunk of documents at a time."""
-    from .kernels import chunked
-
     path = _path(Q, "hidden", entry, Q.shape[-1])
     nd, ld = H.shape[0], H.shape[1]
     if path == "triton":
-        from .kernels.triton import launch
-
+        launch = _module("kernels.triton.launch")
         fmt = launch.DocFormat(launch.HIDDEN, W.contiguous(), b, None, (0, 0, 0), H.shape[-1], 0, b is not None)
         scores, argmax = launch.forward(Q, H, None, d_mask, cross=True, normalize=normalize, zero_mode=False,
                                         save_argmax=save_argmax, doc_format=fmt)
@@ -761,14 +754,11 @@ def maxsim_hidden_backward(
     finding the distinct winners needs a sort and a host sync, which cost more there
     (``benchmarks/bench_compressed.py``).  Both are exact: a token that won nowhere has a
     zero gradient either way."""
-    from .kernels import chunked
-
     nd, ld, hidden = H.shape
     need_rows = need_h or need_w or need_b
     dense = _path(Q, "hidden", "", Q.shape[-1]) == "triton"      # every token's row, in order
     if dense:
-        from .kernels.triton import launch
-
+        launch = _module("kernels.triton.launch")
         h_rows = H.reshape(-1, hidden)
         rows = _project_hidden(h_rows, W, b)                                    # [Nd*Ld, d] fp32
         # the kernel's backward normalises both sides itself (its Jacobian included), so
@@ -841,17 +831,12 @@ def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
     """``[B]`` fp32: ``sum_s max_{t < len} S[codes[b, t], s]`` (0 for an empty document) from
     ``S [C, Lq]``: one program per document on the Triton path (``kernels/triton/approx.py``),
     elsewhere a bounded chunk of documents at a time (a gather and a max in torch)."""
-    from ._config import chunk_elements
-
     scores = query_centroid_scores.float().contiguous()                        # [C, Lq]: one row per code
     if _path(query_centroid_scores, "residual", "") == "triton":
-        from .kernels.triton import approx
-
+        approx = _module("kernels.triton.approx")
         record("plaid_approx_score", "triton")
         return approx.plaid_approx_score(scores, codes, doc_lengths)
-    from .kernels.reference import lengths_mask
-
-    d_mask = lengths_mask(doc_lengths, codes.shape[1])
+    d_mask = reference.lengths_mask(doc_lengths, codes.shape[1])
     record("plaid_approx_score", CHUNKED)
     n, ld = codes.shape
     out = torch.empty((n,), dtype=torch.float32, device=codes.device)
