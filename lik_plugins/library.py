@@ -72,9 +72,12 @@ def _registered(name: str, fake):
     call on the GPU machines over the implementation itself, this registration 7-16 us
     (docs/performance-notes.md); on CI's CPU, with a no-op kernel, 13.8 us a call against
     5.8 and the bare function's 3.1.  The
-    autograd formulas are the Functions below, so the op needs no autograd kernel; the
-    schema's aliasing promise (fresh outputs) is checked by ``torch.library.opcheck`` in the
-    tests."""
+    autograd formulas are the Functions below, so the op needs no autograd kernel: compiled
+    graphs call it with gradients off (AOTAutograd's Function holds the backward).  A direct
+    ``torch.ops.lik.*`` call on inputs that need a gradient gets PyTorch's autograd fallback,
+    which warns at ``backward`` that no autograd kernel is registered: these ops are internal,
+    the public functions are the interface.  The schema's aliasing promise (fresh outputs) is
+    checked by ``torch.library.opcheck`` in the tests."""
 
     def wrap(impl):
         _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=()))
