@@ -166,6 +166,19 @@ COMPILED = MISMATCHES + textwrap.dedent("""
 """)
 
 
+def _run_cold(script: str, *args: str) -> dict:
+    """``script`` in a fresh process on an empty Triton cache, serving while compiling, compile
+    ahead at its default: the JSON of its ``RESULT`` line."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, LIK_SERVE_WHILE_COMPILING="1")
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("LIK_COMPILE_AHEAD", None)
+        done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                              timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:])
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_a_compiled_cold_step_serves_while_its_kernels_build(mode):
     """A ``torch.compile``d training step in a fresh process on an empty cache: its graph's
@@ -173,14 +186,7 @@ def test_a_compiled_cold_step_serves_while_its_kernels_build(mode):
     first step), then run on the kernels; every step's loss and gradients match a float32
     einsum reference.  Under ``reduce-overhead`` the CUDA graph's capture waits for its
     binaries (no chunked call is captured) and replays run no Python (no routing counted)."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache, LIK_SERVE_WHILE_COMPILING="1")
-        env.pop("TRITON_INTERPRET", None)
-        env.pop("LIK_COMPILE_AHEAD", None)
-        done = subprocess.run([sys.executable, "-c", COMPILED, mode], env=env, capture_output=True, text=True,
-                              timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    result = _run_cold(COMPILED, mode)
     assert not result["errors"], result["errors"]
     served = result["served"]
     assert served[0] == {"torch-chunked": 1}, served
@@ -239,14 +245,7 @@ def test_smooth_and_packed_cold_steps_serve_while_their_kernels_build(family, en
     """The smooth-max and packed training ops in a fresh process on an empty cache: the first
     step on the chunked path while compiler processes build the kernels, the next ones on the
     kernels; every step's loss and gradients match a float32 einsum reference."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache, LIK_SERVE_WHILE_COMPILING="1")
-        env.pop("TRITON_INTERPRET", None)
-        env.pop("LIK_COMPILE_AHEAD", None)
-        done = subprocess.run([sys.executable, "-c", SERVED_FAMILY, family, entry], env=env, capture_output=True,
-                              text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    result = _run_cold(SERVED_FAMILY, family, entry)
     assert not result["errors"], result["errors"]
     assert result["served"][0] == {"torch-chunked": 1}, result["served"]
     assert all(s == {"triton": 1} for s in result["served"][1:]), result["served"]
