@@ -71,9 +71,9 @@ def _registered(name: str, fake):
     per-device wrapper that checks aliasing and toggles Dynamo) cost 27-54 us of host time a
     call on the GPU machines over the implementation itself, this registration 7-16 us
     (docs/performance-notes.md); on CI's CPU, with a no-op kernel, 13.8 us a call against
-    5.8 and the bare function's 3.1.  The
-    autograd formulas are the Functions below, so the op needs no autograd kernel: compiled
-    graphs call it with gradients off (AOTAutograd's Function holds the backward).  A direct
+    5.8 and the bare function's 3.1.  The autograd formulas are the Functions below, so the
+    op needs no autograd kernel: compiled graphs call it with gradients off (AOTAutograd's
+    Function holds the backward).  A direct
     ``torch.ops.lik.*`` call on inputs that need a gradient gets PyTorch's autograd fallback,
     which warns at ``backward`` that no autograd kernel is registered: these ops are internal,
     the public functions are the interface.  The schema's aliasing promise (fresh outputs) is
@@ -101,8 +101,9 @@ def _registered(name: str, fake):
 @functools.lru_cache(maxsize=None)
 def _module(name: str):
     """``lik_plugins.<name>``, imported at its first call and looked up once: the Triton
-    modules (never imported where no kernel launches) and ``fp8`` (which imports this
-    module).  An ``import`` statement inside an op cost ~1-2 us a call on CI's CPU."""
+    modules outside ``dispatch.implementation`` (quantisation, the approximate score; never
+    imported where no kernel launches) and ``fp8`` (which imports this module).  An
+    ``import`` statement inside an op cost ~1-2 us a call on CI's CPU."""
     return importlib.import_module(f"lik_plugins.{name}")
 
 
@@ -540,12 +541,12 @@ def maxsim_fp8(
     cross = d_values.dim() == 3
     if q_scales is None:
         if path == "triton" and fp8.fuse_query_quantisation(Q, d_values):
-            launch = _module("kernels.triton.launch")
+            launch = implementation("triton").maxsim
             return launch.forward(Q, d_values, q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode,
                                   save_argmax=False, scales=(None, d_scales))[0]
         Q, q_scales = fp8.quantize_tokens(Q, path)
     if path == "triton":
-        launch = _module("kernels.triton.launch")
+        launch = implementation("triton").maxsim
         return launch.forward(Q, d_values, q_mask, d_mask, cross=cross, normalize=False, zero_mode=zero_mode,
                               save_argmax=False, scales=(q_scales, d_scales))[0]
     # No fp8 matrix units here: the same numbers from the dequantised tokens, with the
@@ -567,7 +568,7 @@ def maxsim_int8(
     cross = d_values.dim() == 3
     if path == "triton":
         fused_quantisation_fits = _module("fp8").fused_quantisation_fits
-        launch, quantize = _module("kernels.triton.launch"), _module("kernels.triton.quantize")
+        launch, quantize = implementation("triton").maxsim, _module("kernels.triton.quantize")
         # A float query is quantised inside the scoring kernel where that is cheap (q_scales
         # stays None: ``QUANT_Q``; unlike fp8 also under the interpreter, whose int8 casts are
         # exact), else by one quantisation launch -- never torch's ~8 ops per call.
@@ -609,7 +610,7 @@ def maxsim_residual_forward(
     path = _path(Q, "residual", entry, Q.shape[-1])
     nd, ld = codes.shape
     if path == "triton":
-        launch = _module("kernels.triton.launch")
+        launch = implementation("triton").maxsim
         weights = launch.stream_order_weights(bucket_weights, nbits)
         fmt = launch.DocFormat(launch.RESIDUAL, codes, centroids, weights, (0, *codes.stride()), centroids.shape[0],
                                nbits)
@@ -691,7 +692,7 @@ def maxsim_residual_varlen(
     kernel reads each document's packed tokens in place (the forward's ``VARLEN`` layout);
     elsewhere the compressed tokens are padded first and scored as :func:`maxsim_residual_forward`."""
     if _path(Q, "residual", "", Q.shape[-1]) == "triton":
-        launch = _module("kernels.triton.launch")
+        launch = implementation("triton").maxsim
         record(entry, "triton")
         nq, lq, dim = Q.shape
         Qp = Q.contiguous().reshape(nq * lq, dim)
@@ -728,7 +729,7 @@ def maxsim_hidden_forward(
     path = _path(Q, "hidden", entry, Q.shape[-1])
     nd, ld = H.shape[0], H.shape[1]
     if path == "triton":
-        launch = _module("kernels.triton.launch")
+        launch = implementation("triton").maxsim
         fmt = launch.DocFormat(launch.HIDDEN, W.contiguous(), b, None, (0, 0, 0), H.shape[-1], 0, b is not None)
         scores, argmax = launch.forward(Q, H, None, d_mask, cross=True, normalize=normalize, zero_mode=False,
                                         save_argmax=save_argmax, doc_format=fmt)
@@ -762,7 +763,7 @@ def maxsim_hidden_backward(
     need_rows = need_h or need_w or need_b
     dense = _path(Q, "hidden", "", Q.shape[-1]) == "triton"      # every token's row, in order
     if dense:
-        launch = _module("kernels.triton.launch")
+        launch = implementation("triton").maxsim
         h_rows = H.reshape(-1, hidden)
         rows = _project_hidden(h_rows, W, b)                                    # [Nd*Ld, d] fp32
         # the kernel's backward normalises both sides itself (its Jacobian included), so
