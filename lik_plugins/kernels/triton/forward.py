@@ -59,23 +59,29 @@ HIDDEN = tl.constexpr(3)    # projection head: D = hidden states H [.., Ld, h], 
 
 
 @triton.jit
-def _select4(f, a, b, c, d):
-    # (a, b, c, d)[f] for 0 <= f < 4, by selects
-    return tl.where(f < 2, tl.where(f == 0, a, b), tl.where(f == 2, c, d))
-
-
-@triton.jit
-def _bucket_weight(A2, field, m, NBITS: tl.constexpr):
-    """``A2[field]`` (fp32).  Up to 2 bits the 2-4 weights are scalars picked by selects:
-    a gather from the table was one more L1 request per element, and L1 bound the residual
-    forward on an H100 (2 bits: 1.45 -> 0.81 ms for 1 x 10k documents of 300 tokens).  At
-    4 bits a 15-select tree measured 3 % slower than the gather (1.30 / 1.26 ms), so 4 and
-    8 bits gather (docs/performance-notes.md)."""
+def _bucket_weights(A2, byte, m, NBITS: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK_K: tl.constexpr,
+                    WIDTH: tl.constexpr):
+    """The weights ``[BLOCK_K, WIDTH]`` (fp32) of the fields of ``byte [BLOCK_K / PER_BYTE,
+    WIDTH]`` (field f of a byte: dimension ``PER_BYTE * byte + f``, its bits ``f * NBITS``
+    from the top).  Up to 2 bits the 2-4 weights are scalars picked by selects on the field's
+    bits, each tested in place in the byte (one logic instruction a test; the field is never
+    shifted out): a gather from the table was one more L1 request per element, and L1 bound
+    the residual forward on an H100 (2 bits: 1.45 -> 0.81 ms for 1 x 10k documents of 300
+    tokens).  At 4 bits a 15-select tree measured 3 % slower than the gather (1.30 / 1.26
+    ms), so 4 and 8 bits gather (docs/performance-notes.md)."""
+    low = 8 - NBITS - tl.arange(0, PER_BYTE) * NBITS          # each field's lowest bit
+    byte = byte[:, None, :]
     if NBITS == 1:
-        weight = tl.where(field == 0, tl.load(A2), tl.load(A2 + 1))
+        weight = tl.where((byte & (1 << low)[None, :, None]) != 0, tl.load(A2 + 1), tl.load(A2))
+        weight = tl.reshape(weight, [BLOCK_K, WIDTH])
     elif NBITS == 2:
-        weight = _select4(field, tl.load(A2), tl.load(A2 + 1), tl.load(A2 + 2), tl.load(A2 + 3))
+        bit0 = (byte & (1 << low)[None, :, None]) != 0
+        bit1 = (byte & (2 << low)[None, :, None]) != 0
+        weight = tl.where(bit1, tl.where(bit0, tl.load(A2 + 3), tl.load(A2 + 2)),
+                          tl.where(bit0, tl.load(A2 + 1), tl.load(A2)))
+        weight = tl.reshape(weight, [BLOCK_K, WIDTH])
     else:
+        field = tl.reshape((byte >> low[None, :, None]) & ((1 << NBITS) - 1), [BLOCK_K, WIDTH])
         weight = tl.load(A2 + field, mask=m, other=0.0)
     return weight.to(tl.float32)
 
@@ -105,13 +111,7 @@ def _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, n_centro
     o_b = tl.arange(0, BLOCK_K // PER_BYTE)
     byte = tl.load(p_d + o_t[None, :] * s_dt + o_b[:, None] * s_dh,
                    mask=(o_b < dim // PER_BYTE)[:, None] & m_t[None, :], other=0).to(tl.int32)   # [BK/PB, WIDTH]
-    if PER_BYTE == 1:
-        field = byte
-    else:
-        # field f of a byte holds dimension PER_BYTE * byte + f, its bits f * NBITS from the top
-        shift = 8 - NBITS - tl.arange(0, PER_BYTE) * NBITS
-        field = tl.reshape((byte[:, None, :] >> shift[None, :, None]) & ((1 << NBITS) - 1), [BLOCK_K, WIDTH])
-    weight = _bucket_weight(A2, field, m, NBITS)
+    weight = _bucket_weights(A2, byte, m, NBITS, PER_BYTE, BLOCK_K, WIDTH)
     centroid = tl.load(A1 + code[None, :] * dim + o_k[:, None], mask=m, other=0.0).to(tl.float32)
     return tl.where(m, centroid + weight, 0.0)
 
@@ -170,12 +170,17 @@ def _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n,
                                PRECISION, UPCAST)
         if NORMALIZE:
             # x / max(||x||, 1e-12), as reference.NORM_EPS; hidden tiles are token-major
+            # One reciprocal per token, then a multiply per element: Triton's fp32 division
+            # is exactly that (MUFU.RCP, FMUL) behind two range checks that rescale both
+            # operands when the divisor is beyond 2**126 or below 2**-126 -- never the case
+            # here (1e-12 <= norm), so the bits are the division's, without the checks' two
+            # predicated multiplies per element.
             if DOC_FORMAT == RESIDUAL:
-                norm = tl.sqrt(tl.sum(b_d * b_d, axis=0))
-                b_d = b_d / tl.maximum(norm, 1e-12)[None, :]
+                inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(b_d * b_d, axis=0)), 1e-12)
+                b_d = b_d * inv[None, :]
             else:
-                norm = tl.sqrt(tl.sum(b_d * b_d, axis=1))
-                b_d = b_d / tl.maximum(norm, 1e-12)[:, None]
+                inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(b_d * b_d, axis=1)), 1e-12)
+                b_d = b_d * inv[:, None]
     elif BLOCK_K == D_PAD:
         o_t = n0 + tl.arange(0, WIDTH)
         o_k = tl.arange(0, BLOCK_K)
