@@ -592,21 +592,23 @@ def _built_forward_fake(Q, D, d_mask, normalize, save_argmax):
     return scores, Q.new_empty((Q.shape[0], D.shape[0], Q.shape[1]), dtype=argmax_dtype(D.shape[1]))
 
 
-def _residual_forward_fake(Q, codes, residuals, d_mask, centroids, bucket_weights, nbits, normalize, save_argmax,
+def _residual_forward_fake(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits, normalize, save_argmax,
                            entry):
-    return _built_forward_fake(Q, codes, d_mask, normalize, save_argmax)
+    return _built_forward_fake(Q, codes, None, normalize, save_argmax)
 
 
 @_registered("maxsim_residual_forward", _residual_forward_fake)
 def maxsim_residual_forward(
-    Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tensor, d_mask: Optional[torch.Tensor],
+    Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tensor, doc_lengths: torch.Tensor,
     centroids: torch.Tensor, bucket_weights: torch.Tensor, nbits: int, normalize: bool, save_argmax: bool,
     entry: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of ``Q [Nq, Lq, d]`` against documents stored as PLAID residuals (codes
-    ``[Nd, Ld]`` int32, residuals ``[Nd, Ld, d*nbits/8]`` uint8, ``d_mask`` the lengths), and
-    the winners when ``save_argmax``.  The Triton kernel decompresses (and normalises) each
-    document tile on chip; the chunked path decompresses a bounded chunk of documents at a time."""
+    ``[Nd, Ld]`` int32, residuals ``[Nd, Ld, d*nbits/8]`` uint8, ``doc_lengths [Nd]`` int32),
+    and the winners when ``save_argmax``.  The Triton kernel decompresses (and normalises)
+    each document tile on chip, each document's loop bounded by its length (no token mask in
+    memory, no work on the padding); the chunked path decompresses a bounded chunk of
+    documents at a time."""
     path = _path(Q, "residual", entry, Q.shape[-1])
     nd, ld = codes.shape
     if path == "triton":
@@ -614,8 +616,9 @@ def maxsim_residual_forward(
         weights = launch.stream_order_weights(bucket_weights, nbits)
         fmt = launch.DocFormat(launch.RESIDUAL, codes, centroids, weights, (0, *codes.stride()), centroids.shape[0],
                                nbits)
-        scores, argmax = launch.forward(Q, residuals, None, d_mask, cross=True, normalize=normalize,
-                                        zero_mode=False, save_argmax=save_argmax, doc_format=fmt)
+        scores, argmax = launch.forward(Q, residuals, None, None, cross=True, normalize=normalize,
+                                        zero_mode=False, save_argmax=save_argmax, doc_format=fmt,
+                                        d_lengths=doc_lengths)
     else:
         def build(start, stop):
             # padding may hold any code (as in the kernel): clamp its (ignored) lookup in bounds
@@ -623,8 +626,8 @@ def maxsim_residual_forward(
             return reference.decompress_residual(chunk_codes, residuals[start:stop], centroids, bucket_weights,
                                                  nbits).float()
 
-        scores, argmax = chunked.forward_built(Q, build, nd, ld, d_mask, normalize=normalize,
-                                               save_argmax=save_argmax)
+        scores, argmax = chunked.forward_built(Q, build, nd, ld, reference.lengths_mask(doc_lengths, ld),
+                                               normalize=normalize, save_argmax=save_argmax)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
 
 
@@ -650,9 +653,9 @@ def maxsim_residual_backward(
 
 class _ResidualMaxSim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, Q, codes, residuals, d_mask, centroids, bucket_weights, options):
+    def forward(ctx, Q, codes, residuals, doc_lengths, centroids, bucket_weights, options):
         nbits, normalize, entry = options
-        scores, argmax = maxsim_residual_forward(Q, codes, residuals, d_mask, centroids, bucket_weights, nbits,
+        scores, argmax = maxsim_residual_forward(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits,
                                                  normalize, True, entry)
         ctx.save_for_backward(Q, codes, residuals, centroids, bucket_weights, argmax)
         ctx.options = (nbits, normalize)
@@ -667,13 +670,13 @@ class _ResidualMaxSim(torch.autograd.Function):
         return gq, None, None, None, None, None, None
 
 
-def maxsim_residual(Q, codes, residuals, d_mask, centroids, bucket_weights, *, nbits: int, normalize: bool,
+def maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights, *, nbits: int, normalize: bool,
                     entry: str) -> torch.Tensor:
     """Validated inputs in, scores out (autograd into ``Q`` when it requires grad)."""
     if torch.is_grad_enabled() and Q.requires_grad:
-        return _ResidualMaxSim.apply(Q, codes, residuals, d_mask, centroids, bucket_weights,
+        return _ResidualMaxSim.apply(Q, codes, residuals, doc_lengths, centroids, bucket_weights,
                                      (nbits, normalize, entry))
-    return maxsim_residual_forward(Q, codes, residuals, d_mask, centroids, bucket_weights, nbits, normalize,
+    return maxsim_residual_forward(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits, normalize,
                                    False, entry)[0]
 
 
@@ -703,8 +706,8 @@ def maxsim_residual_varlen(
         return launch.varlen_forward(Qp, residuals_flat, cu_q, cu_d, None, None, None, max_q=lq, max_d=max_d,
                                      normalize=normalize, zero_mode=False, save_argmax=False, doc_format=fmt)[0]
     codes, residuals, lengths = reference.pad_packed_index(codes_flat, residuals_flat, cu_d, max_d)
-    d_mask = reference.lengths_mask(lengths, codes.shape[1])
-    return maxsim_residual_forward(Q, codes, residuals, d_mask, centroids, bucket_weights, nbits, normalize, False,
+    return maxsim_residual_forward(Q, codes, residuals, lengths.to(torch.int32), centroids, bucket_weights, nbits,
+                                   normalize, False,
                                    entry)[0]
 
 

@@ -33,7 +33,7 @@ from . import _routing, library
 from ._config import disabled, forced_backend
 from ._validate import check_max_seqlen, check_offsets, check_tensor, offsets_message, settle_checks
 from .kernels import reference
-from .kernels.reference import PLAID_NBITS, lengths_mask, residual_bytes
+from .kernels.reference import PLAID_NBITS, residual_bytes
 
 __all__ = ["ResidualIndex", "fit_centroids", "compress", "decompress", "maxsim_residual",
            "maxsim_residual_varlen", "plaid_approx_score"]
@@ -211,13 +211,14 @@ def maxsim_residual(Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tenso
     if not isinstance(doc_lengths, torch.Tensor) or doc_lengths.shape != (codes.shape[0],) \
             or doc_lengths.is_floating_point():
         raise ValueError(f"doc_lengths must be an integer tensor of shape ({codes.shape[0]},)")
-    d_mask = lengths_mask(doc_lengths.to(codes.device), codes.shape[1])
     if disabled() or forced_backend() == "reference":
         _routing.record("maxsim_residual", "reference")
         out = reference.maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits,
                                         normalize=normalize).float()
     else:
-        out = library.maxsim_residual(Q, codes.to(torch.int32).contiguous(), residuals.contiguous(), d_mask,
+        # (a negative length reads as an empty document in the kernel, as in the reference's mask)
+        lengths = doc_lengths.to(codes.device, torch.int32).contiguous()
+        out = library.maxsim_residual(Q, codes.to(torch.int32).contiguous(), residuals.contiguous(), lengths,
                                       centroids.contiguous(), bucket_weights.float().contiguous(), nbits=nbits,
                                       normalize=bool(normalize), entry="maxsim_residual")
     return out.squeeze(0) if single else out

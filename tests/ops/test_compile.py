@@ -207,13 +207,15 @@ def test_fake_kernels_of_the_compressed_ops():
     H, W, b = torch.randn(5, 9, 24, generator=g), torch.randn(16, 24, generator=g), torch.randn(16, generator=g)
     dm = reference.lengths_mask(lengths, 9)
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
-    scores, argmax = library.maxsim_residual_forward(Q, codes, residuals, dm, centroids, weights, 4, True, True, "")
+    lengths32 = lengths.to(torch.int32)
+    scores, argmax = library.maxsim_residual_forward(Q, codes, residuals, lengths32, centroids, weights, 4, True, True,
+                                                     "")
     _, h_argmax = library.maxsim_hidden_forward(Q, H, W, b, dm, True, True, "")
     qv, qs = reference.quantize_int8(Q)
     dv, ds = reference.quantize_int8(H[..., :16])
     grad = torch.randn(2, 5, generator=g)
     cases = [
-        (library.maxsim_residual_forward.op, (Q, codes, residuals, dm, centroids, weights, 4, True, True, "")),
+        (library.maxsim_residual_forward.op, (Q, codes, residuals, lengths32, centroids, weights, 4, True, True, "")),
         (library.maxsim_residual_backward.op, (grad, Q, codes, residuals, centroids, weights, argmax, 4, True)),
         (library.maxsim_hidden_forward.op, (Q, H, W, b, dm, False, True, "")),
         (library.maxsim_hidden_forward.op, (Q, H, W, None, None, True, False, "")),

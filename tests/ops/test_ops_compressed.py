@@ -182,6 +182,23 @@ def test_residual_half_precision_and_single_query(gen, monkeypatch, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_residual_lengths_past_the_padding_or_negative(gen, monkeypatch, backend):
+    # the kernel bounds each document's loop by its length: a length past Ld reads as Ld, a
+    # negative one as an empty document -- what the reference's token mask makes of them
+    monkeypatch.setenv("LIK_BACKEND", backend)
+    codes, residuals, _, centroids, weights = _index(gen, 4, 11, 32, 2)
+    codes = codes.clamp_max(10)
+    lengths = torch.tensor([11, 40, -3, 6])
+    Q = torch.randn(2, 5, 32, generator=gen, dtype=torch.float64).float()
+    got = lik.maxsim_residual(Q, codes, residuals, lengths, centroids, weights, 2)
+    want = reference.maxsim_residual(Q.double(), codes, residuals, lengths, centroids.double(), weights, 2)
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got[:, 2], torch.zeros(2))
+    full = lik.maxsim_residual(Q, codes, residuals, torch.full((4,), 11), centroids, weights, 2)
+    torch.testing.assert_close(got[:, :2], full[:, :2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_varlen_equals_padded(gen, monkeypatch, backend):
     monkeypatch.setenv("LIK_BACKEND", backend)
     codes, residuals, lengths, centroids, weights = _index(gen, 5, 13, 32, 4)

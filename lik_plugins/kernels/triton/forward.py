@@ -408,6 +408,10 @@ def maxsim_fwd_kernel(
     # PAIRS (with VARLEN): program ``j`` scores pair ``j``: query PAIR_Q[j] x document
     # PAIR_D[j]; the host passes n_q = 1, QPB = 1 (output ``[1, P]``).
     VARLEN: tl.constexpr = False, PAIRS: tl.constexpr = False,
+    # DM_LENGTHS (padded layouts, HAS_DM off): DM holds each document's length (int32, at
+    # its (s_dmi, s_dmj)); tokens past it are excluded and never loaded -- no [.., Ld] mask
+    # in memory, no work on the padding.
+    DM_LENGTHS: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
     pid = tl.program_id(0)
@@ -480,6 +484,9 @@ def maxsim_fwd_kernel(
         else:
             q_first = (i_qb * QPB).to(tl.int64)
             ld_j = ld
+            if DM_LENGTHS:
+                # the document's own length bounds its loop, as a packed one's does
+                ld_j = tl.minimum(tl.load(DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj), ld)
             p_d = D + q_first * s_di + i_j.to(tl.int64) * s_dj
             p_dm = DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj
             p_rd = RD + q_first * s_rdi + i_j.to(tl.int64) * s_rdj

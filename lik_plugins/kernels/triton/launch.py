@@ -334,9 +334,11 @@ def clear_plans() -> None:
     direct.clear()
 
 
-def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm, fmt=None):
+def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm, fmt=None,
+                  lengths=False):
     """(plan, after_launch): ``after_launch`` is not None while the autotuner still has to
-    run, and then the plan is for this call only."""
+    run, and then the plan is for this call only.  ``lengths``: ``s_dm`` are the strides of
+    per-document lengths (``DM_LENGTHS``), not of a mask."""
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = _doc_view(D, cross)
     kind = DENSE if fmt is None else fmt.kind
@@ -356,7 +358,10 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     arg_dtype = argmax_dtype(ld) if save_argmax else None
     if nq * nj == 0 or lq == 0:
         return _ForwardPlan(None, (0,), (), {}, out_shape, n_chunks, arg_dtype, True), None
-    s_dmi, s_dmj, s_dmt = (0, 0, 0) if not has_dm else ((0, *s_dm) if cross else s_dm)
+    if lengths:
+        s_dmi, s_dmj, s_dmt = ((0, *s_dm) if cross else s_dm) + (0,)
+    else:
+        s_dmi, s_dmj, s_dmt = (0, 0, 0) if not has_dm else ((0, *s_dm) if cross else s_dm)
     s_rdi, s_rdj = _norm_strides(rd, cross, scaled)
     s_qmi, s_qms = s_qm if has_qm else (0, 0)
     running_max = RUNNING_ARGMAX if save_argmax else (RUNNING_MAX and elem == 1)
@@ -378,7 +383,7 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
         n_qblocks, n_chunks, size_class(n_programs),
     )
     meta = dict(
-        HAS_QM=has_qm, HAS_DM=has_dm, ZERO_MODE=bool(zero_mode),
+        HAS_QM=has_qm, HAS_DM=has_dm, ZERO_MODE=bool(zero_mode), DM_LENGTHS=lengths,
         NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype if built else D.dtype),
@@ -395,7 +400,7 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
 
 
 def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, scales=None,
-            doc_format: DocFormat | None = None):
+            doc_format: DocFormat | None = None, d_lengths: torch.Tensor | None = None):
     """Scores (and the argmax when ``save_argmax``).  ``scales = (q_scales [Nq, Lq],
     d_scales [.., Ld])`` (fp32, contiguous) multiply every similarity by its two tokens'
     scales -- the fp8 and int8 paths' dequantisation; the kernel applies them exactly where
@@ -403,10 +408,13 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     ``Q`` and e4m3 ``D``: the kernel quantises the query rows itself (``QUANT_Q``; the
     embedding dim must be at most 256), with the numbers of a separate quantisation.
     ``doc_format``: documents that are not float tokens (:class:`DocFormat`); residual and
-    hidden documents are normalised inside the kernel when ``normalize``."""
+    hidden documents are normalised inside the kernel when ``normalize``.  ``d_lengths``
+    (instead of ``d_mask``; padded documents, ``zero_mode`` off): int32 tokens per document
+    (``[Nd]`` in the cross product, ``[Nq, K]`` per query), the tokens past it excluded."""
     device = Q.device
     qm = _mask_bytes(q_mask, device)
-    dm = _mask_bytes(d_mask, device)
+    assert d_lengths is None or (d_mask is None and not zero_mode and d_lengths.dtype == torch.int32)
+    dm = _mask_bytes(d_mask, device) if d_lengths is None else d_lengths
     placeholder = _placeholder(device, torch.float32)
     built = doc_format is not None and doc_format.kind in (RESIDUAL, HIDDEN)
     if scales is not None:
@@ -419,18 +427,18 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     scaled = bool(normalize) or scales is not None
     has_qm, has_dm = q_mask is not None, d_mask is not None
     s_qm = qm.stride() if has_qm else None
-    s_dm = dm.stride() if has_dm else None
+    s_dm = dm.stride() if has_dm or d_lengths is not None else None
     aux = (placeholder,) * 3 if doc_format is None else \
         tuple(placeholder if t is None else t for t in (doc_format.a0, doc_format.a1, doc_format.a2))
     # the kernel reads RQ as [Nq, Lq] contiguous and RD through its strides
     key = (Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, device, cross, scaled, bool(zero_mode),
            bool(save_argmax), s_qm, s_dm, rd.stride() if scaled else None,
-           None if doc_format is None else doc_format.key())
+           None if doc_format is None else doc_format.key(), d_lengths is not None)
     plan = _FORWARD_PLANS.get(key)
     after_launch = None
     if plan is None:
         plan, after_launch = _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm,
-                                           s_dm, doc_format)
+                                           s_dm, doc_format, d_lengths is not None)
         if after_launch is None:
             if len(_FORWARD_PLANS) >= direct.MAX_PLANS:  # shapes that never repeat: start over
                 _FORWARD_PLANS.clear()
