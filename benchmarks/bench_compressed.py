@@ -151,12 +151,16 @@ def residual_rows(rows, sz, reps, cuda, bw, device):
     nd, ld, dim, lq, n_centroids = sz["rerank_docs"], sz["ld"], 128, 32, sz["centroids"]
     centroids = F.normalize(torch.randn(n_centroids, dim, generator=g), dim=-1)
     Q = F.normalize(torch.randn(1, lq, dim, generator=g), dim=-1).to(device, torch.bfloat16)
-    lengths = torch.full((nd,), ld, dtype=torch.int32)
-    cu = torch.zeros(nd + 1, dtype=torch.int32)
-    cu[1:] = lengths.cumsum(0)
     m_res, why_res = _peer("late_interaction_kernels.plaid", "maxsim_residual")
     m_var, why_var = _peer("late_interaction_kernels.plaid", "maxsim_residual_varlen")
-    for nbits in (2, 4):
+    full = torch.full((nd,), ld, dtype=torch.int32)
+    # every document full, at 2 and 4 bits; then lengths as a rerank's candidates have them
+    # (uniform in Ld/3 .. Ld, padded to Ld): the padded op bounds each document by its length
+    varied = torch.randint(ld // 3, ld + 1, (nd,), generator=g, dtype=torch.int32)
+    for nbits, lengths in ((2, full), (4, full), (2, varied)):
+        cu = torch.zeros(nd + 1, dtype=torch.int32)
+        cu[1:] = lengths.cumsum(0)
+        valid = torch.arange(ld)[None, :] < lengths[:, None]
         # codes and residual bits drawn at random: the kernel's work does not depend on them
         codes = torch.randint(0, n_centroids, (nd, ld), generator=g, dtype=torch.int32)
         residuals = torch.randint(0, 256, (nd, ld, dim * nbits // 8), generator=g, dtype=torch.uint8)
@@ -166,16 +170,20 @@ def residual_rows(rows, sz, reps, cuda, bw, device):
         codes_d, res_d, len_d = args
         w_d = weights.to(device)
         cu_d = cu.to(device)
-        floor = codes.numel() * 4 + residuals.numel() + c_dev.numel() * 2 + nd * 4
+        n_valid = int(lengths.sum())
+        floor = n_valid * (4 + residuals.shape[-1]) + c_dev.numel() * 2 + nd * 4
         with torch.no_grad():
-            ref = lik.maxsim(Q.float(), plaid.decompress(codes_d, res_d, c_dev.float(), w_d, nbits), normalize=True)
-        group = f"residual rerank 1x{nd} Ld{ld} nbits{nbits}"
+            ref = lik.maxsim(Q.float(), plaid.decompress(codes_d, res_d, c_dev.float(), w_d, nbits),
+                             d_mask=valid.to(device), normalize=True)
+        spread = "" if lengths is full else f" lengths {ld // 3}-{ld}"
+        group = f"residual rerank 1x{nd} Ld{ld} nbits{nbits}{spread}"
         extra = {"nbits": nbits}
         with torch.no_grad():
             _measure(rows, group, "lik_plugins maxsim_residual",
                      lambda: lik.maxsim_residual(Q, codes_d, res_d, len_d, c_dev, w_d, nbits), ref, reps, cuda,
                      floor, bw, extra)
-            flat_codes, flat_res = codes_d.reshape(-1), res_d.reshape(-1, res_d.shape[-1])
+            valid_d = valid.to(device)
+            flat_codes, flat_res = codes_d[valid_d], res_d[valid_d]
             _measure(rows, group, "lik_plugins maxsim_residual_varlen",
                      lambda: lik.maxsim_residual_varlen(Q, flat_codes, flat_res, cu_d, c_dev, w_d, nbits,
                                                         max_seqlen_d=ld), ref, reps, cuda, floor, bw, extra)
@@ -192,20 +200,21 @@ def residual_rows(rows, sz, reps, cuda, bw, device):
             if m_var is None:
                 _skip(rows, group, "late-interaction-kernels maxsim_residual_varlen", why_var)
             else:
-                flat_peer = res_peer.reshape(-1, res_peer.shape[-1])
+                flat_peer = res_peer[valid_d]
                 _measure(rows, group, "late-interaction-kernels maxsim_residual_varlen",
                          lambda: m_var(Q, flat_codes, flat_peer, cu_d, c_dev, w_d, nbits, max_seqlen_d=ld), ref,
                          reps, cuda, floor, bw, peer_extra)
-            # the unfused way: decompress everything, then score (what fast-plaid's rerank does in spirit)
-            _measure(rows, group, "decompress + lik_plugins maxsim",
-                     lambda: lik.maxsim(Q, plaid.decompress(codes_d, res_d, c_dev, w_d, nbits).to(Q.dtype),
-                                        normalize=True), ref, reps, cuda, floor, bw, extra)
+            if lengths is full:
+                # the unfused way: decompress everything, then score (what fast-plaid's rerank does in spirit)
+                _measure(rows, group, "decompress + lik_plugins maxsim",
+                         lambda: lik.maxsim(Q, plaid.decompress(codes_d, res_d, c_dev, w_d, nbits).to(Q.dtype),
+                                            normalize=True), ref, reps, cuda, floor, bw, extra)
         # PLAID's centroid score over the same documents
         qcs = c_dev.float() @ Q[0].float().T                 # [C, Lq], both libraries' layout
         with torch.no_grad():
             ref_a = lik.plaid_approx_score(qcs, codes_d, len_d)
         group_a = f"plaid_approx_score 1x{nd} Ld{ld} C{n_centroids}"
-        if nbits == 2:
+        if nbits == 2 and lengths is full:
             _measure(rows, group_a, "lik_plugins plaid_approx_score",
                      lambda: lik.plaid_approx_score(qcs, codes_d, len_d), ref_a, reps, cuda,
                      codes.numel() * 4 + qcs.numel() * 4, bw)
