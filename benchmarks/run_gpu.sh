@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|realloop|coldstart|multigpu|fidelity|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|realloop|coldstart|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
 #   coldstart = compile-ahead's GPU test and its A/B (PyLate twice, kernel loops), one call;
@@ -14,7 +14,7 @@
 # limit per device call run `tests` and `memcheck` + `bench` in separate calls.
 # fidelity = fp8 ranking fidelity on embeddings saved by
 #   python recipes/fp8_fidelity.py --save-embeddings benchmarks/data/fidelity_embeddings.pt
-# (encoded on any machine; copy benchmarks/data along).
+# (encoded on any machine; copy benchmarks/data along); plaid = recipes/plaid_rerank.py on them.
 # Peers and host libraries come from wheels in .whl/ when present (for machines without network).
 # Results (JSON + Markdown + logs) go to $OUT (default: benchmarks/results/latest).
 set -uo pipefail
@@ -111,6 +111,16 @@ if [[ $stage == fidelity || $stage == all ]]; then
       --device cuda --out "$OUT" 2>&1 | tail -8
   else
     echo "fidelity: benchmarks/data/fidelity_embeddings.pt not carried; skipped"
+  fi
+fi
+if [[ $stage == plaid || $stage == all ]]; then
+  # the PLAID rerank recipe on the same embeddings (its centroids come from fastkmeans' wheel)
+  if [[ -f benchmarks/data/fidelity_embeddings.pt ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/kmeans .whl/fastkmeans-*.whl || exit 1
+    PYTHONPATH=$PYTHONPATH:/tmp/kmeans timeout 300 python3 recipes/plaid_rerank.py \
+      --embeddings benchmarks/data/fidelity_embeddings.pt --device cuda --out "$OUT" 2>&1 | tail -8
+  else
+    echo "plaid: benchmarks/data/fidelity_embeddings.pt not carried; skipped"
   fi
 fi
 
