@@ -707,8 +707,7 @@ def maxsim_residual_varlen(
                                      normalize=normalize, zero_mode=False, save_argmax=False, doc_format=fmt)[0]
     codes, residuals, lengths = reference.pad_packed_index(codes_flat, residuals_flat, cu_d, max_d)
     return maxsim_residual_forward(Q, codes, residuals, lengths.to(torch.int32), centroids, bucket_weights, nbits,
-                                   normalize, False,
-                                   entry)[0]
+                                   normalize, False, entry)[0]
 
 
 def _hidden_forward_fake(Q, H, W, b, d_mask, normalize, save_argmax, entry):

@@ -216,7 +216,6 @@ def maxsim_residual(Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tenso
         out = reference.maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits,
                                         normalize=normalize).float()
     else:
-        # (a negative length reads as an empty document in the kernel, as in the reference's mask)
         lengths = doc_lengths.to(codes.device, torch.int32).contiguous()
         out = library.maxsim_residual(Q, codes.to(torch.int32).contiguous(), residuals.contiguous(), lengths,
                                       centroids.contiguous(), bucket_weights.float().contiguous(), nbits=nbits,

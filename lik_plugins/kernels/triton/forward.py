@@ -485,8 +485,9 @@ def maxsim_fwd_kernel(
             q_first = (i_qb * QPB).to(tl.int64)
             ld_j = ld
             if DM_LENGTHS:
-                # the document's own length bounds its loop, as a packed one's does
-                ld_j = tl.minimum(tl.load(DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj), ld)
+                # the document's own length bounds its loop, as a packed one's does (a negative
+                # one reads as empty, as in the reference's mask)
+                ld_j = tl.maximum(tl.minimum(tl.load(DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj), ld), 0)
             p_d = D + q_first * s_di + i_j.to(tl.int64) * s_dj
             p_dm = DM + q_first * s_dmi + i_j.to(tl.int64) * s_dmj
             p_rd = RD + q_first * s_rdi + i_j.to(tl.int64) * s_rdj
