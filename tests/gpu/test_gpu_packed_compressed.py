@@ -321,6 +321,20 @@ def test_maxsim_residual(nbits, dtype, normalize, d):
     _served("maxsim_residual_varlen", calls=2)
 
 
+def test_residual_lengths_past_the_padding_or_negative():
+    # each document's loop stops at its length: 0, negative (empty) and past Ld (all of it)
+    # read as the reference's token mask does
+    codes, residuals, _, centroids, weights = _index(17, 8, 70, 128, 2)
+    codes = codes.clamp_max(SIZES["CENTROIDS"] - 1)
+    lengths = torch.tensor([70, 0, -5, 500, 33, 1, 69, 70], device=DEVICE)
+    Q = torch.randn(3, SIZES["LQ"], 128, generator=_gen(18), device=DEVICE).to(torch.bfloat16)
+    out = lik.maxsim_residual(Q, codes, residuals, lengths, centroids, weights, 2)
+    _served("maxsim_residual")
+    want = reference.maxsim_residual(Q.double(), codes, residuals, lengths, centroids.double(), weights.double(), 2)
+    assert rel_err(out, want) < TOL[torch.bfloat16][0]
+    assert not out[:, 1].any() and not out[:, 2].any()
+
+
 def test_plaid_approx_score():
     codes, _, lengths, centroids, _ = _index(15, SIZES["APPROX_D"], SIZES["LD"][1], 128, 2)
     codes = codes.clamp_max(SIZES["CENTROIDS"] - 1)   # in range for the reference, which indexes the padding too
