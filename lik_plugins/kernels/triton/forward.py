@@ -169,18 +169,15 @@ def _doc_tile(p_d, n0, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n,
             b_d = _hidden_tile(p_d, p_a0, A1, o_t, m_t, dim, s_dt, s_dh, aux_n, WIDTH, BLOCK_K, BLOCK_H, HAS_BIAS,
                                PRECISION, UPCAST)
         if NORMALIZE:
-            # x / max(||x||, 1e-12), as reference.NORM_EPS; hidden tiles are token-major
-            # One reciprocal per token, then a multiply per element: Triton's fp32 division
-            # is exactly that (MUFU.RCP, FMUL) behind two range checks that rescale both
-            # operands when the divisor is beyond 2**126 or below 2**-126 -- never the case
-            # here (1e-12 <= norm), so the bits are the division's, without the checks' two
-            # predicated multiplies per element.
-            if DOC_FORMAT == RESIDUAL:
-                inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(b_d * b_d, axis=0)), 1e-12)
-                b_d = b_d * inv[None, :]
-            else:
-                inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(b_d * b_d, axis=1)), 1e-12)
-                b_d = b_d * inv[:, None]
+            # x / max(||x||, 1e-12), as reference.NORM_EPS, along the tile's embedding axis
+            # (hidden tiles are token-major).  One reciprocal per token, then a multiply per
+            # element: Triton's fp32 division is exactly that (MUFU.RCP, FMUL) behind two range
+            # checks that rescale both operands when the divisor is beyond 2**126 or below
+            # 2**-126 -- never the case here (1e-12 <= norm), so the bits are the division's,
+            # without the checks' two predicated multiplies per element.
+            DIM_AXIS: tl.constexpr = 0 if DOC_FORMAT == RESIDUAL else 1
+            inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(b_d * b_d, axis=DIM_AXIS)), 1e-12)
+            b_d = b_d * tl.expand_dims(inv, DIM_AXIS)
     elif BLOCK_K == D_PAD:
         o_t = n0 + tl.arange(0, WIDTH)
         o_k = tl.arange(0, BLOCK_K)
