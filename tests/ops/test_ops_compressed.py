@@ -189,7 +189,7 @@ def test_residual_lengths_past_the_padding_or_negative(gen, monkeypatch, backend
     codes, residuals, _, centroids, weights = _index(gen, 4, 11, 32, 2)
     codes = codes.clamp_max(10)
     lengths = torch.tensor([11, 40, -3, 6])
-    Q = torch.randn(2, 5, 32, generator=gen, dtype=torch.float64).float()
+    Q = torch.randn(2, 5, 32, generator=gen)
     got = lik.maxsim_residual(Q, codes, residuals, lengths, centroids, weights, 2)
     want = reference.maxsim_residual(Q.double(), codes, residuals, lengths, centroids.double(), weights, 2)
     assert rel_err(got, want) < 1e-5
