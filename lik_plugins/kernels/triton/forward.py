@@ -136,7 +136,7 @@ def _hidden_tile(p_d, A0, A1, o_t, m_t, dim, s_dt, s_dh, n_hidden, WIDTH: tl.con
         m_h = hh < n_hidden
         x = tl.load(p_d + o_t[:, None] * s_dt + hh[None, :] * s_dh, mask=m_t[:, None] & m_h[None, :],
                     other=0.0)                                                    # [WIDTH, BH]
-        w = tl.load(A0 + o_k[None, :].to(tl.int64) * n_hidden + hh[:, None], mask=m_h[:, None] & m_k[None, :],
+        w = tl.load(A0 + o_k[None, :] * n_hidden + hh[:, None], mask=m_h[:, None] & m_k[None, :],
                     other=0.0)                                                    # [BH, BK]
         if UPCAST:
             w = w.to(tl.float32)
@@ -144,7 +144,9 @@ def _hidden_tile(p_d, A0, A1, o_t, m_t, dim, s_dt, s_dh, n_hidden, WIDTH: tl.con
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(A1 + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-    return tl.where(m_t[:, None] & m_k[None, :], acc, 0.0)
+    # no select here: W's rows past dim load as zeros (their columns stay 0), and the
+    # similarities of tokens past the document are masked after the product
+    return acc
 
 
 @triton.jit
@@ -409,8 +411,19 @@ def maxsim_fwd_kernel(
     # its (s_dmi, s_dmj)); tokens past it are excluded and never loaded -- no [.., Ld] mask
     # in memory, no work on the padding.
     DM_LENGTHS: tl.constexpr = False,
+    # HIDDEN: N_HIDDEN, the hidden size (= aux_n); EVEN_DIM, whether dim == D_PAD
+    N_HIDDEN: tl.constexpr = 0, EVEN_DIM: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
+    if DOC_FORMAT == HIDDEN:
+        # The projection's sizes as compile-time constants (a model's are fixed): its K loop
+        # gets a known trip count, and with the embedding dim known to fill the tile no load
+        # of W is masked -- the loop then unrolls and pipelines as a dense GEMM's.  With W's
+        # rows masked by the runtime dim (one predicate and select per load) it stayed a loop:
+        # H100, one query x 1000 documents of 300 tokens, h 768: 0.209 -> 0.196 ms.
+        aux_n = N_HIDDEN
+        if EVEN_DIM:
+            dim = D_PAD
     pid = tl.program_id(0)
     # Query blocks vary fastest: consecutive programs read the same documents (L2 reuse).
     # A program scores DOCS_PER_PROGRAM documents (the host makes it divide n_j) with its

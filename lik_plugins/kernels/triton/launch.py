@@ -317,6 +317,14 @@ def _hidden_block(dtype: torch.dtype) -> int:
     return 32 if dtype == torch.float32 else 64
 
 
+def _format_meta(fmt: DocFormat, dtype: torch.dtype, dim: int, d_pad: int) -> dict:
+    """The forward kernel's compile-time arguments for a document format (the projection
+    head's sizes among them: forward.maxsim_fwd_kernel says why)."""
+    hidden = fmt.kind == HIDDEN
+    return dict(DOC_FORMAT=fmt.kind, NBITS=fmt.nbits, HAS_BIAS=fmt.has_bias, BLOCK_H=_hidden_block(dtype),
+                N_HIDDEN=fmt.aux_n if hidden else 0, EVEN_DIM=hidden and dim == d_pad)
+
+
 # Forward plans by the call's geometry (shapes, strides, dtype, device, mask and option
 # flags).  A repeated shape -- every training step of a fixed batch, every rerank of a
 # fixed candidate count -- skips the blocking, the tuner lookup and building the argument
@@ -393,7 +401,7 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     )
     aux_ints = (0, 0, 0, 0)
     if fmt is not None:
-        meta.update(DOC_FORMAT=kind, NBITS=fmt.nbits, HAS_BIAS=fmt.has_bias, BLOCK_H=_hidden_block(Q.dtype))
+        meta.update(_format_meta(fmt, Q.dtype, dim, d_pad))
         aux_ints = (*fmt.a0_strides, fmt.aux_n)
     grid = (n_programs,)
     return _ForwardPlan(kernel, grid, ints, meta, out_shape, n_chunks, arg_dtype, False, aux_ints), after_launch
@@ -769,8 +777,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
             rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=(Q.dtype, D.dtype, doc_format.kind) if built else Q.dtype,
             n_programs=n_programs, save_arg=save_argmax)
         if built:
-            meta.update(DOC_FORMAT=doc_format.kind, NBITS=doc_format.nbits, HAS_BIAS=doc_format.has_bias,
-                        BLOCK_H=_hidden_block(Q.dtype))
+            meta.update(_format_meta(doc_format, Q.dtype, dim, d_pad))
             aux = (*(placeholder if t is None else t for t in (doc_format.a0, doc_format.a1, doc_format.a2)),
                    *doc_format.a0_strides, doc_format.aux_n)
         else:
