@@ -65,7 +65,12 @@ def _format_steps() -> dict:
                 residuals = torch.randint(0, 256, (*codes.shape, dim * nbits // 8), device="cuda", dtype=torch.uint8)
                 weights = torch.sort(torch.randn(2**nbits, device="cuda") * 0.05).values
                 lengths = torch.full((codes.shape[0],), 300, dtype=torch.int32, device="cuda")
-                lik.maxsim_residual(Q, codes, residuals, lengths, unit(16384, dim), weights, nbits)
+                centroids = unit(16384, dim)
+                lik.maxsim_residual(Q, codes, residuals, lengths, centroids, weights, nbits)
+                # packed documents have their own entries (launch._built_key)
+                cu = torch.arange(0, codes.numel() + 1, 300, dtype=torch.int32, device="cuda")
+                lik.maxsim_residual_varlen(Q, codes.reshape(-1), residuals.reshape(codes.numel(), -1), cu, centroids,
+                                           weights, nbits, max_seqlen_d=300)
 
     def hidden():
         for nq, nd, train in ((32, 32, True), (1, 1000, False), (32, 1000, False)):

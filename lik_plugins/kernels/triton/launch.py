@@ -322,7 +322,17 @@ def _format_meta(fmt: DocFormat, dtype: torch.dtype, dim: int, d_pad: int) -> di
     head's sizes among them: forward.maxsim_fwd_kernel says why)."""
     hidden = fmt.kind == HIDDEN
     return dict(DOC_FORMAT=fmt.kind, NBITS=fmt.nbits, HAS_BIAS=fmt.has_bias, BLOCK_H=_hidden_block(dtype),
-                N_HIDDEN=fmt.aux_n if hidden else 0, EVEN_DIM=hidden and dim == d_pad)
+                N_HIDDEN=fmt.aux_n if hidden else 0, EVEN_DIM=fmt.kind in (HIDDEN, RESIDUAL) and dim == d_pad)
+
+
+def _built_key(Q: torch.Tensor, D: torch.Tensor, fmt: DocFormat, packed: bool = False) -> tuple:
+    """The config table's dtype field for documents built in the kernel.  Residuals are tuned
+    per bit width and apart when packed: on an H100 (one query x 10k documents of 300 tokens)
+    padded 2-bit documents ran best on 64-token tiles (0.42 ms against 0.46 on 32), 4-bit
+    ones and packed ones of either width on 32 (packed 2 bits: 0.54 against 0.60)."""
+    if fmt.kind != RESIDUAL:
+        return (Q.dtype, D.dtype, fmt.kind)
+    return (Q.dtype, D.dtype, fmt.kind, fmt.nbits) + (("packed",) if packed else ())
 
 
 # Forward plans by the call's geometry (shapes, strides, dtype, device, mask and option
@@ -376,7 +386,7 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     n_programs = nj // dpp * n_qblocks * n_chunks
     # fused int8 query quantisation runs the int8 kernel's tiles: it shares their table entry
     tune_dtype = (D.dtype if kind == INT8 else (Q.dtype, D.dtype)) if quant_q else \
-        (Q.dtype, D.dtype, kind) if built else Q.dtype
+        _built_key(Q, D, fmt) if built else Q.dtype
     kernel, meta, after_launch = forward_kernel_and_meta(
         rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=tune_dtype,
         n_programs=n_programs, save_arg=save_argmax, running_max=running_max, docs_per_program=dpp,
@@ -774,7 +784,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
         pair_q, pair_d = pairs if pairs is not None else (index, index)
         n_programs = n_j * n_qblocks * n_chunks
         kernel, meta, after_launch = forward_kernel_and_meta(
-            rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=(Q.dtype, D.dtype, doc_format.kind) if built else Q.dtype,
+            rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=_built_key(Q, D, doc_format, packed=True) if built else Q.dtype,
             n_programs=n_programs, save_arg=save_argmax)
         if built:
             meta.update(_format_meta(doc_format, Q.dtype, dim, d_pad))

@@ -153,8 +153,8 @@ def _default_forward(block_m: int, block_k: int, d_pad: int, dtype) -> dict:
     """The config for a key the table lacks: the table's most common pick for 16-bit
     ColBERT shapes, with fewer stages where shared memory would not hold them."""
     # the MMA's operand: the documents' dtype (fp8 against float queries), but for documents
-    # built in the kernel (residual, projection head: (Q, D, kind) keys) Q's dtype
-    elem = (dtype if not isinstance(dtype, tuple) else dtype[0] if len(dtype) == 3 else dtype[1]).itemsize
+    # built in the kernel (residual, projection head: (Q, D, kind, ...) keys) Q's dtype
+    elem = (dtype if not isinstance(dtype, tuple) else dtype[0] if len(dtype) >= 3 else dtype[1]).itemsize
     block_n = 64 if d_pad <= 256 and elem <= 2 else 32
     stages = 3
     # _smem_bytes is the autotuner's estimate (it skips a config that does not fit); with no
