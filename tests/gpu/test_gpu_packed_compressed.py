@@ -287,8 +287,10 @@ def _residual_oracle(Q, codes, residuals, lengths, centroids, weights, nbits, no
 
 @pytest.mark.parametrize("nbits,dtype,normalize,d", [
     (2, torch.bfloat16, True, 128), (4, torch.float32, True, 128), (8, torch.bfloat16, False, 128),
-    (1, torch.float32, True, 96), (2, torch.bfloat16, True, 96)],
-    ids=["nbits2-bf16", "nbits4-fp32", "nbits8-bf16-raw", "nbits1-fp32-d96", "nbits2-bf16-d96"])
+    (1, torch.float32, True, 96), (2, torch.bfloat16, True, 96), (4, torch.bfloat16, True, 128),
+    (4, torch.bfloat16, True, 96)],
+    ids=["nbits2-bf16", "nbits4-fp32", "nbits8-bf16-raw", "nbits1-fp32-d96", "nbits2-bf16-d96", "nbits4-bf16",
+         "nbits4-bf16-d96"])
 def test_maxsim_residual(nbits, dtype, normalize, d):
     codes, residuals, lengths, centroids, weights = _index(13, SIZES["RES_D"], SIZES["RES_LD"], d, nbits)
     g = _gen(14)

@@ -67,8 +67,8 @@ def _bucket_weights(A2, byte, m, NBITS: tl.constexpr, PER_BYTE: tl.constexpr, BL
     bits, each tested in place in the byte (one logic instruction a test; the field is never
     shifted out): a gather from the table was one more L1 request per element, and L1 bound
     the residual forward on an H100 (2 bits: 1.45 -> 0.81 ms for 1 x 10k documents of 300
-    tokens).  At 4 bits a 15-select tree measured 3 % slower than the gather (1.30 / 1.26
-    ms), so 4 and 8 bits gather (docs/performance-notes.md)."""
+    tokens).  At 4 bits a 15-select tree measured 3 % slower than that load (1.30 / 1.26 ms);
+    4 bits take ``tl.gather`` from the weights held on chip, 8 bits (256 weights) the load."""
     low = 8 - NBITS - tl.arange(0, PER_BYTE) * NBITS          # each field's lowest bit
     byte = byte[:, None, :]
     if NBITS == 1:
@@ -80,6 +80,13 @@ def _bucket_weights(A2, byte, m, NBITS: tl.constexpr, PER_BYTE: tl.constexpr, BL
         weight = tl.where(bit1, tl.where(bit0, tl.load(A2 + 3), tl.load(A2 + 2)),
                           tl.where(bit0, tl.load(A2 + 1), tl.load(A2)))
         weight = tl.reshape(weight, [BLOCK_K, WIDTH])
+    elif NBITS == 4:
+        # the 16 weights on chip, each element's picked by tl.gather (shuffles and shared
+        # memory): a load from the table per element kept the L1 busy -- on an H100 1 x 10k
+        # documents of 300 tokens took 1.00 ms that way, 0.57 this way (docs/performance-notes.md)
+        field = tl.reshape((byte >> low[None, :, None]) & 15, [BLOCK_K, WIDTH])
+        table = tl.broadcast_to(tl.load(A2 + tl.arange(0, 16))[:, None], [16, WIDTH])
+        weight = tl.gather(table, field, axis=0)
     else:
         field = tl.reshape((byte >> low[None, :, None]) & ((1 << NBITS) - 1), [BLOCK_K, WIDTH])
         weight = tl.load(A2 + field, mask=m, other=0.0)

@@ -328,8 +328,8 @@ def _format_meta(fmt: DocFormat, dtype: torch.dtype, dim: int, d_pad: int) -> di
 def _built_key(Q: torch.Tensor, D: torch.Tensor, fmt: DocFormat, packed: bool = False) -> tuple:
     """The config table's dtype field for documents built in the kernel.  Residuals are tuned
     per bit width and apart when packed: on an H100 (one query x 10k documents of 300 tokens)
-    padded 2-bit documents ran best on 64-token tiles (0.42 ms against 0.46 on 32), 4-bit
-    ones and packed ones of either width on 32 (packed 2 bits: 0.54 against 0.60)."""
+    padded documents ran best on 64-token tiles (2 bits: 0.42 ms against 0.46 on 32), packed
+    ones on 32 (2 bits: 0.54 against 0.59; 4 bits: 0.59 against 0.65)."""
     if fmt.kind != RESIDUAL:
         return (Q.dtype, D.dtype, fmt.kind)
     return (Q.dtype, D.dtype, fmt.kind, fmt.nbits) + (("packed",) if packed else ())
