@@ -716,6 +716,13 @@ def _hidden_forward_fake(Q, H, W, b, d_mask, normalize, save_argmax, entry):
 
 def _project_hidden(H, W, b):
     """``H @ W.T + b`` in fp32 (fp64 for fp64 inputs): the tokens the kernel builds."""
+    if H.is_cuda and H.dtype in (torch.bfloat16, torch.float16) and W.dtype == H.dtype:
+        # 16-bit products on the matrix units summed into fp32, as the kernel's tiles are
+        # (each product exact, fp32 sums): no fp32 copy of H and no fp32 GEMM, which took a
+        # third of a 32 x 32 training step's GPU time on an H100 (docs/performance-notes.md)
+        rows = torch.mm(H.reshape(-1, H.shape[-1]), W.t(), out_dtype=torch.float32)
+        rows = rows.view(*H.shape[:-1], W.shape[0])
+        return rows if b is None else rows + b.float()
     cdt = torch.float64 if H.dtype == torch.float64 else torch.float32
     return torch.nn.functional.linear(H.to(cdt), W.to(cdt), None if b is None else b.to(cdt))
 
