@@ -796,8 +796,9 @@ def maxsim_hidden_backward(
             g_rows = chunked.project_out_norm(g_hat, rows, inv) if normalize else g_hat
         split = _split_gradient(g_rows, H, W)
         if need_h:
-            g_h = (g_rows @ W.to(g_rows.dtype)) if split is None else \
-                torch.mm(split, torch.cat([W, W]), out_dtype=torch.float32)
+            # with the split, straight into bf16 (fp32 sums inside the GEMM, one rounding): no
+            # [rows, h] fp32 intermediate, 4x the hidden states' gradient in bytes
+            g_h = (g_rows @ W.to(g_rows.dtype)) if split is None else torch.mm(split, torch.cat([W, W]))
             if dense:
                 grads[1] = g_h.to(H.dtype).view(H.shape)
             else:
