@@ -821,9 +821,9 @@ def _split_gradient(g_rows: torch.Tensor, H: torch.Tensor, W: torch.Tensor) -> O
     mantissa, for bf16 hidden states on CUDA (None elsewhere): the backward's two products then
     run on the matrix units into fp32 -- its gradients, rounded to bf16 at the end, differ from
     fp32 products' by about 2**-17 of their size against bf16's 2**-9 -- instead of fp32 GEMMs
-    and an fp32 copy of the hidden states (H100, a 32 x 32 training step's GPU time: 281 -> 199
-    us; its gradients' error against a float64 oracle unchanged in four digits).  Not for fp16:
-    its range would flush small gradients."""
+    and an fp32 copy of the hidden states (H100, a 32 x 32 training step's GPU time: 281 -> 184
+    us, its peak 38 -> 24 MiB; its gradients' error against a float64 oracle unchanged in four
+    digits).  Not for fp16: its range would flush small gradients."""
     if not (g_rows.is_cuda and H.dtype == torch.bfloat16 and W.dtype == torch.bfloat16
             and g_rows.dtype == torch.float32):
         return None
