@@ -145,6 +145,7 @@ def _hidden_tile(p_d, A0, A1, o_t, m_t, dim, s_dt, s_dh, n_hidden, WIDTH: tl.con
         m_h = hh < n_hidden
         x = tl.load(p_d + o_t[:, None] * s_dt + hh[None, :] * s_dh, mask=m_t[:, None] & m_h[None, :],
                     other=0.0)                                                    # [WIDTH, BH]
+        # int32 offsets: o_k * h + hh < 256 h, in range for any hidden size below 2**23
         w = tl.load(A0 + o_k[None, :] * n_hidden + hh[:, None], mask=m_h[:, None] & m_k[None, :],
                     other=0.0)                                                    # [BH, BK]
         if UPCAST:
@@ -429,7 +430,8 @@ def maxsim_fwd_kernel(
         # gets a known trip count, and with the embedding dim known to fill the tile no load
         # of W is masked -- the loop then unrolls and pipelines as a dense GEMM's.  With W's
         # rows masked by the runtime dim (one predicate and select per load) it stayed a loop:
-        # H100, one query x 1000 documents of 300 tokens, h 768: 0.209 -> 0.196 ms.
+        # H100, one query x 1000 documents of 300 tokens, h 768: 0.209 -> 0.195-0.198 ms in an
+        # A/B (docs/performance-notes.md).
         aux_n = N_HIDDEN
     if EVEN_DIM:
         # (HIDDEN, RESIDUAL) the embedding dim fills the tile: no mask along it
