@@ -136,11 +136,15 @@ def ref_op(layout):
     return reference.maxsim_pairs if layout == "pairs" else reference.maxsim
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(x: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """Max abs error over the largest |ref| -- or over the largest ``scale`` where given: an
+    upper bound of the terms ``ref`` sums, for sums that may nearly cancel."""
     if ref.numel() == 0:
         return 0.0
     err = (x.double() - ref.double()).abs().max()
-    return (err / ref.double().abs().max().clamp_min(1e-6)).item()
+    size = ref.double().abs().max() if scale is None else torch.maximum(ref.double().abs().max(),
+                                                                        scale.double().abs().max())
+    return (err / size.clamp_min(1e-6)).item()
 
 
 def reference_run(layout, Q, D, qm, dm, grad_out, *, normalize, mask_mode, need_q=True, need_d=True):
@@ -176,7 +180,13 @@ def check_against_reference(layout, Q, D, qm, dm, *, gen, normalize=False, mask_
     ref, rq, rd = reference_run(layout, Q, D, qm, dm, grad_out, normalize=normalize, mask_mode=mask_mode,
                                 need_q=need_q, need_d=need_d)
     assert torch.isfinite(out).all()
-    err = rel_err(out, ref)
+    # against the scores' conditioning: a score sums per-token maxima of either sign, and the
+    # same scores of |Q|, |D| bound every term; a sum that nearly cancels (a property run drew
+    # 0.0037 from terms near 10, fp32 off by 6e-4 of it) has a large error relative to itself
+    # in any precision
+    scale = reference_run(layout, Q.abs(), D.abs(), qm, dm, grad_out, normalize=normalize, mask_mode=mask_mode,
+                          need_q=False, need_d=False)[0]
+    err = rel_err(out, ref, scale)
     assert err <= tol_s, f"scores: relative error {err:.3g} > {tol_s:g}"
 
     gq = gd = None
