@@ -80,16 +80,16 @@ def _bucket_weights(A2, byte, m, NBITS: tl.constexpr, PER_BYTE: tl.constexpr, BL
         weight = tl.where(bit1, tl.where(bit0, tl.load(A2 + 3), tl.load(A2 + 2)),
                           tl.where(bit0, tl.load(A2 + 1), tl.load(A2)))
         weight = tl.reshape(weight, [BLOCK_K, WIDTH])
-    elif NBITS == 4:
-        # the 16 weights on chip, each element's picked by tl.gather (shuffles and shared
-        # memory): a load from the table per element kept the L1 busy -- on an H100 1 x 10k
-        # documents of 300 tokens took 1.00 ms that way, 0.57 this way (docs/performance-notes.md)
-        field = tl.reshape((byte >> low[None, :, None]) & 15, [BLOCK_K, WIDTH])
-        table = tl.broadcast_to(tl.load(A2 + tl.arange(0, 16))[:, None], [16, WIDTH])
-        weight = tl.gather(table, field, axis=0)
     else:
         field = tl.reshape((byte >> low[None, :, None]) & ((1 << NBITS) - 1), [BLOCK_K, WIDTH])
-        weight = tl.load(A2 + field, mask=m, other=0.0)
+        if NBITS == 4:
+            # the 16 weights on chip, each element's picked by tl.gather (shuffles and shared
+            # memory): a load from the table per element kept the L1 busy -- on an H100 1 x 10k
+            # documents of 300 tokens took 1.00 ms that way, 0.57 this way (docs/performance-notes.md)
+            table = tl.broadcast_to(tl.load(A2 + tl.arange(0, 16))[:, None], [16, WIDTH])
+            weight = tl.gather(table, field, axis=0)
+        else:
+            weight = tl.load(A2 + field, mask=m, other=0.0)
     return weight.to(tl.float32)
 
 
