@@ -1,7 +1,7 @@
 """Packaging hook: ship ``lik_plugins_autoactivate.pth`` at the root of site-packages.
 
 Everything else lives in pyproject.toml.  The .pth line imports nothing unless
-``LIK_PATCH`` is set or a ``*_SCORES_BACKEND`` variable is ``lik``/``auto`` (see lik_plugins/_autoactivate.py).
+``LIK_PATCH`` is set or a ``*_SCORES_BACKEND`` variable is ``lik``/``auto`` (see src/lik_plugins/_autoactivate.py).
 
 * ``pip install .``: ``build_py`` copies the file into the wheel root.
 * ``pip install -e .`` (PEP 660): setuptools writes the editable wheel through a

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "src")  # this checkout's lik_plugins
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lik_plugins as lik  # noqa: E402
 from lik_plugins import plaid  # noqa: E402

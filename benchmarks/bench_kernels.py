@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "src")  # this checkout's lik_plugins
 import lik_plugins as lik  # noqa: E402
 from lik_plugins.kernels import chunked  # noqa: E402
 

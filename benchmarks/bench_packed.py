@@ -39,6 +39,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "src")  # this checkout's lik_plugins
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lik_plugins as lik  # noqa: E402
 

@@ -50,7 +50,7 @@ from importlib.metadata import PackageNotFoundError, version  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lik_plugins
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's lik_plugins
 
 import torch  # noqa: E402
 

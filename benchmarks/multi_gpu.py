@@ -59,7 +59,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]  # this checkout's lik_plugins; the sibling benchmarks
+sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]  # this checkout's lik_plugins; the sibling benchmarks
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

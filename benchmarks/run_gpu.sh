@@ -3,7 +3,7 @@
 # Run on the device machine from the repo root:
 #   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|realloop|coldstart|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
-#   lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
+#   src/lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
 #   coldstart = compile-ahead's GPU test and its A/B (PyLate twice, kernel loops), one call;
 #   multigpu = benchmarks/multi_gpu.py over every GPU of the machine (NCCL, multicast off; options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e;
@@ -31,11 +31,11 @@ if ls .whl/late_interaction_kernels-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peers \
     .whl/late_interaction_kernels-*.whl .whl/flash_maxsim-*.whl || exit 1
   python3 -m compileall -q -j 0 /tmp/peers > /dev/null
-  export PYTHONPATH=/tmp/peers:$PWD
+  export PYTHONPATH=/tmp/peers:$PWD/src:$PWD
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD/src:$PWD
 fi
-python3 -m compileall -q -j 0 lik_plugins benchmarks > /dev/null   # as an installed package is
+python3 -m compileall -q -j 0 src/lik_plugins benchmarks > /dev/null   # as an installed package is
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
@@ -43,7 +43,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 host_env() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hosts .whl/*.whl || exit 1
   python3 -m compileall -q -j 0 /tmp/hosts > /dev/null
-  export PYTHONPATH=/tmp/hosts:$PWD HF_HUB_OFFLINE=1
+  export PYTHONPATH=/tmp/hosts:$PWD/src:$PWD HF_HUB_OFFLINE=1
 }
 
 if [[ $stage == tests || $stage == kernels || $stage == all ]]; then

@@ -5,7 +5,7 @@
 Runs every benchmark shape (``bench_kernels.ALL_SHAPES``: training shapes forward and
 backward, inference shapes forward, fp8 forward where the GPU has fp8 units) plus the
 length buckets of ``real_loop.py``'s changing-length loops, each with the autotuner on, then
-writes the configs it chose as ``lik_plugins/kernels/triton/configs/<arch>.json``'s format
+writes the configs it chose as ``src/lik_plugins/kernels/triton/configs/<arch>.json``'s format
 (commit the file there: a fresh process then tunes nothing for these keys; see
 ``kernels/triton/tuning.py``).
 

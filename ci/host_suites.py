@@ -121,7 +121,7 @@ def run_mode(host: Host, python: str, work: Path, doctest_paths: list[str], mode
     env = {k: v for k, v in os.environ.items()
            if not k.endswith("_SCORES_BACKEND") and k not in ("LIK_DISABLE", "LIK_PATCH", "LIK_BACKEND", "LIK_HOST_SUITE_PATCH")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "ci"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "ci"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     if mode in ("zero-code", "disabled"):
         env["LIK_PATCH"] = host.name
         if host.backend_variable:

@@ -31,5 +31,5 @@ def test_unknown_names_warn_and_are_skipped():
 def test_pth_line_reads_lik_patch():
     from pathlib import Path
 
-    line = (Path(aa.__file__).resolve().parent.parent / "lik_plugins_autoactivate.pth").read_text()
+    line = (Path(aa.__file__).resolve().parents[2] / "lik_plugins_autoactivate.pth").read_text()
     assert "LIK_PATCH" in line and "_SCORES_BACKEND" in line

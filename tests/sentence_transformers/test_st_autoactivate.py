@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not _pth_installed(), reason="lik_plugins is not
 def _run(code: str, **env) -> dict:
     environ = {k: v for k, v in os.environ.items()
                if not k.endswith("_SCORES_BACKEND") and k not in ("LIK_DISABLE", "LIK_PATCH", "LIK_BACKEND")}
-    environ.update(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=f"{HERE}{os.pathsep}{ROOT}")
+    environ.update(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=f"{HERE}{os.pathsep}{ROOT / 'src'}")
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True,
                          timeout=300, cwd=str(ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
