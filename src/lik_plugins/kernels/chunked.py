@@ -441,11 +441,12 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
         else:
             nd = cu_d.numel() - 1
             d_starts = cu_d[:-1].long().view(1, nd, 1)
-            step = _rows_per_chunk(nd * max_q * dim, cu_q.numel() - 1)
-            for q0 in range(0, cu_q.numel() - 1, step):
+            q_starts = cu_q[:-1].long()      # one start per query: ``cu_q`` has Nq + 1 entries
+            step = _rows_per_chunk(nd * max_q * dim, q_starts.numel())
+            for q0 in range(0, q_starts.numel(), step):
                 qs = slice(q0, q0 + step)
                 win = argmax[qs].long()                                             # [a, Nd, Lq]
-                q_rows = (cu_q[qs].long()[:, None] + t[None, :]).unsqueeze(1).expand_as(win)
+                q_rows = (q_starts[qs][:, None] + t[None, :]).unsqueeze(1).expand_as(win)
                 d_rows = d_starts + win.clamp_min(0)
                 _scatter_winners(grad[qs].unsqueeze(-1), win, q_rows, d_rows, q_last, d_last, q_hat, d_hat, gq, gd)
     return _finish(gq, Q, rq, normalize), _finish(gd, D, rd, normalize)
