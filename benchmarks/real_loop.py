@@ -22,9 +22,9 @@ the kernels are what is measured; ``pylate`` is the real training loop):
   ``patch_pylate()``, the peers are PyLate's own ``PYLATE_SCORES_BACKEND`` choices.
 
 Implementations: ``lik_plugins``, ``late-interaction-kernels``, ``flash-maxsim``, ``torch``
-(eager einsum); not in the default set, ``lik_plugins-serial`` is ``lik_plugins`` with
-``LIK_COMPILE_AHEAD=0`` and ``lik_plugins-thread`` with ``LIK_COMPILE_AHEAD=thread`` (compile
-ahead in threads of the process instead of compiler processes).  Per cell: first step, first 10 steps (sum), steady median / max after
+(eager einsum).  ``--precompiled`` also runs every ``lik_plugins`` cell on a cache that
+``python -m lik_plugins.precompile`` filled first (in its own process, untimed: what a cluster
+image or CI job would ship).  Per cell: first step, first 10 steps (sum), steady median / max after
 step 10 and the count of steps above 20x the median.  Writes ``real_loop.json`` (long
 format) and ``real_loop.md``.
 """
@@ -41,11 +41,8 @@ import time
 
 LOOPS = ("fixed", "vary-colbert", "vary-colpali", "pylate")
 IMPLS = ("lik_plugins", "late-interaction-kernels", "flash-maxsim", "torch")
-# lik_plugins with LIK_COMPILE_AHEAD=0: the backward's kernels compile when the backward
-# needs them, one after another in the caller's thread (the A/B of kernels/triton/ahead.py);
-# with LIK_COMPILE_AHEAD=thread: compiled ahead in threads of the process
-EXTRA_IMPLS = ("lik_plugins-serial", "lik_plugins-thread")
-AHEAD_MODE = {"lik_plugins-serial": "0", "lik_plugins-thread": "thread"}
+# what ``--precompiled`` builds ahead for each loop (bf16, d 128): the kernel loops' calls are the ops'
+PRECOMPILE_HOSTS = {"pylate": "pylate", "fixed": "ops", "vary-colbert": "ops", "vary-colpali": "ops"}
 BULKY = ("variants", "compiles", "spike_samples", "recompiles")   # in the JSON, not in the progress lines
 
 
@@ -302,16 +299,12 @@ def run_cell(args) -> dict:
                compile_s=sum(e[2] for e in compiles if not e[3]),
                compile_caller_s=sum(e[2] for e in compiles if not e[3] and e[1] == "MainThread"))
     if args.impl.startswith("lik_plugins"):
-        from lik_plugins.kernels.triton import ahead, direct
+        from lik_plugins.kernels.triton import direct
 
         row["variants"] = direct.variants()
         import lik_plugins
 
         row["routing"] = lik_plugins.routing_counts()   # kernel loops: of the steady window
-        # binaries built by compiler processes: (kernel, seconds, ok, error); the parent then
-        # loads them from the disk cache (cache hits in ``compiles``)
-        row["process_compiles"] = ahead.process_compiles()
-        row["process_compile_s"] = sum(e[1] for e in row["process_compiles"] if e[2])
     if getattr(args, "recompiles", None):
         row["recompiles"] = args.recompiles
     if getattr(args, "spike_samples", None) is not None:
@@ -320,6 +313,15 @@ def run_cell(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+def _precompile(loop: str, cache_dir: str) -> float:
+    """``python -m lik_plugins.precompile`` for ``loop``'s calls into ``cache_dir``; its seconds."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "lik_plugins.precompile", "--hosts", PRECOMPILE_HOSTS[loop],
+                    "--dtypes", "bf16", "--dims", "128"], env=dict(os.environ, TRITON_CACHE_DIR=cache_dir),
+                   check=True, capture_output=True, timeout=600)
+    return time.perf_counter() - t0
+
+
 def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout, settle_s=0.0, sample_spikes=0.0):
     # Inductor's caches (its FX graphs and its own Triton kernels) live beside Triton's: a cold
     # cell compiles the user's graph from scratch too, and a warm one finds it (with one shared
@@ -327,8 +329,6 @@ def _spawn(loop, impl, compile_, cache_dir, cache_label, steps, timeout, settle_
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
                PYTHONUNBUFFERED="1")
     env.pop("LIK_DISABLE", None)
-    if impl in AHEAD_MODE:
-        env["LIK_COMPILE_AHEAD"] = AHEAD_MODE[impl]
     cmd = [sys.executable, os.path.abspath(__file__), "--cell", "--loop", loop, "--impl", impl,
            "--steps", str(steps), "--cache", cache_label, "--settle-s", str(settle_s),
            "--sample-spikes", str(sample_spikes)] + \
@@ -395,11 +395,11 @@ def markdown(rows, meta) -> str:
               "after the 10th.",
               ""] if meta.get("settle_s") else []),
            "Triton compiles: binaries built in this process (not loaded from the disk cache) and their "
-           "seconds, of which in the caller's thread (the rest in background threads, beside it); "
-           "then binaries built by compile-ahead's compiler processes and their seconds.", "",
+           "seconds, of which in the caller's thread. `precompiled`: a cache filled by "
+           "`python -m lik_plugins.precompile` first (its seconds in the `precompile` column).", "",
            "| loop | compile | cache | implementation | first step (s) | first 10 steps (s) | steady median (ms) "
            "| steady max (ms) | steady from: step (s) | steps > 20x median | set-up (s) | process (s) "
-           "| Triton compiles: n, s (caller's) | in compiler processes: n, s |",
+           "| Triton compiles: n, s (caller's) | precompile (s) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -408,13 +408,12 @@ def markdown(rows, meta) -> str:
             continue
         built = [e for e in r.get("compiles", []) if not e[3]]
         compiled = f"{len(built)}, {r.get('compile_s', 0):.1f} ({r.get('compile_caller_s', 0):.1f})" if built else ""
-        in_process = [e for e in r.get("process_compiles", []) if e[2]]
-        processes = f"{len(in_process)}, {r.get('process_compile_s', 0):.1f}" if in_process else ""
+        precompiled = f"{r['precompile_s']:.1f}" if "precompile_s" in r else ""
         out.append(f"| {r['loop']} | {r['compile']} | {r['cache']} | {r['impl']} | {r['first_step_s']:.2f} | "
                    f"{r['first10_s']:.2f} | {r['steady_median_ms']:.3f} | {r['steady_max_ms']:.2f} | "
                    f"{r.get('steady_from_step', 10)} ({r.get('steady_from_s', r['first10_s']):.2f}) | "
                    f"{r['spikes_over_20x']} | {_setup_s(r):.2f} | {r.get('process_s', float('nan')):.2f} | "
-                   f"{compiled} | {processes} |")
+                   f"{compiled} | {precompiled} |")
     return "\n".join(out + _spread(rows)) + "\n"
 
 
@@ -477,6 +476,8 @@ def main() -> int:
     p.add_argument("--compile", action="store_true", help="also run every cell under torch.compile")
     p.add_argument("--compile-only", action="store_true", help="only the torch.compile cells")
     p.add_argument("--warm", action="store_true", help="also run every cell again on its filled Triton cache")
+    p.add_argument("--precompiled", action="store_true",
+                   help="also run every lik_plugins cell on a cache filled by python -m lik_plugins.precompile")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--repeats", type=int, default=1,
                    help="run every cell this many times (fresh caches); the Markdown adds median [min-max]")
@@ -497,7 +498,7 @@ def main() -> int:
                         "the steps); rows carry them as spike_samples")
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--loop", choices=LOOPS)
-    p.add_argument("--impl", choices=IMPLS + EXTRA_IMPLS)
+    p.add_argument("--impl", choices=IMPLS)
     p.add_argument("--cache", default="cold")
     args = p.parse_args()
     if args.cell:
@@ -522,19 +523,28 @@ def main() -> int:
             impls = args.impls.split(",")
             for repeat in range(args.repeats):
                 for impl in impls[repeat % len(impls):] + impls[:repeat % len(impls)]:
-                    with tempfile.TemporaryDirectory() as cache:
-                        labels = ["cold", "warm"] if args.warm else ["cold"]
-                        for label in labels:
-                            row = _spawn(loop, impl, compile_, cache, label, args.steps, args.timeout, args.settle_s,
-                                           args.sample_spikes)
-                            row["repeat"] = repeat
-                            rows.append(row)
-                            print(json.dumps({k: v for k, v in row.items() if k not in BULKY}),
-                                  flush=True)
-                            with open(os.path.join(args.out_dir, "real_loop.json"), "w") as fh:
-                                json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-                            with open(os.path.join(args.out_dir, "real_loop.md"), "w") as fh:
-                                fh.write(markdown(rows, meta))
+                    labels = ["cold", "warm"] if args.warm else ["cold"]
+                    if args.precompiled and impl == "lik_plugins":
+                        labels.append("precompiled")
+                    caches = []
+                    for label in labels:
+                        if label != "warm":     # warm: the cold cell's cache, now filled
+                            caches.append(tempfile.TemporaryDirectory(prefix="real-loop-cache-"))
+                        cache = caches[-1].name
+                        precompile_s = _precompile(loop, cache) if label == "precompiled" else None
+                        row = _spawn(loop, impl, compile_, cache, label, args.steps, args.timeout, args.settle_s,
+                                     args.sample_spikes)
+                        row["repeat"] = repeat
+                        if precompile_s is not None:
+                            row["precompile_s"] = precompile_s
+                        rows.append(row)
+                        print(json.dumps({k: v for k, v in row.items() if k not in BULKY}), flush=True)
+                        with open(os.path.join(args.out_dir, "real_loop.json"), "w") as fh:
+                            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+                        with open(os.path.join(args.out_dir, "real_loop.md"), "w") as fh:
+                            fh.write(markdown(rows, meta))
+                    for c in caches:
+                        c.cleanup()
     return 0
 
 

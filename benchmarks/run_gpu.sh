@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|realloop|coldstart|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|realloop|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   src/lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
-#   coldstart = compile-ahead's GPU test and its A/B (PyLate twice, kernel loops), one call;
 #   multigpu = benchmarks/multi_gpu.py over every GPU of the machine (NCCL, multicast off; options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e;
 # compressed = benchmarks/bench_compressed.py (PLAID residuals, int8, the projection head; ~2.5 min cold);
@@ -21,10 +20,6 @@ set -uo pipefail
 stage=${1:-all}; shift || true
 OUT=${OUT:-benchmarks/results/latest}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# Tests and fixed-shape benchmarks time the kernels: a training call that met an unbuilt binary
-# must wait for it, not run on the chunked path meanwhile (the real-loop stages measure the
-# default, serving while compiling, as users meet it).
-export LIK_SERVE_WHILE_COMPILING=0
 if ls .whl/late_interaction_kernels-*.whl >/dev/null 2>&1; then
   # byte-compiled at install, as pip does by default: otherwise the first process to import a
   # module (often a cold-start cell's first step, through lazy imports) compiles it for the rest
@@ -79,23 +74,7 @@ if [[ $stage == host ]]; then
 fi
 if [[ $stage == realloop ]]; then
   host_env
-  unset LIK_SERVE_WHILE_COMPILING
   python3 benchmarks/real_loop.py "$OUT" "$@" 2>&1 | tail -60
-fi
-if [[ $stage == coldstart ]]; then
-  # compile-ahead's GPU test, then its A/B -- compiler processes (default), threads, PyLate's own
-  # torch path and the fastest peer -- in PyLate's loop (twice, interleaved) and in the kernel loops
-  host_env
-  unset LIK_SERVE_WHILE_COMPILING
-  timeout 150 python3 -m pytest -q tests/gpu/test_compile_ahead_gpu.py -p no:cacheprovider 2>&1 | tail -3
-  mkdir -p "$OUT/kernel_loops" "$OUT/pylate"
-  timeout 280 python3 benchmarks/real_loop.py "$OUT/pylate" --loops pylate \
-    --impls lik_plugins,lik_plugins-thread,torch,late-interaction-kernels --steps 12 --repeats 2 \
-    --timeout 60 2>&1 | grep -v '^{'
-  # steady: from 10 s after each loop began (wall clock), when every cell's compiles (ours in the background) are done
-  timeout 240 python3 benchmarks/real_loop.py "$OUT/kernel_loops" --loops fixed,vary-colbert,vary-colpali \
-    --impls lik_plugins,lik_plugins-thread,late-interaction-kernels --steps 80 --settle-s 10 --timeout 60 \
-    2>&1 | grep -v '^{'
 fi
 if [[ $stage == multigpu ]]; then
   # NVLink multicast stays off in every process (NCCL, PyTorch symmetric memory, NVSHMEM)

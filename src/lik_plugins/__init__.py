@@ -13,7 +13,6 @@ eagerly.  Public surface::
     maxsim_residual, maxsim_residual_varlen,          # PLAID / ColBERTv2 compressed indexes
     plaid_approx_score                                #   (lik_plugins.plaid: compress, decompress)
     routing_counts, reset_routing_counts              # which path served each call
-    warm_up                                           # prepare the kernels in the background (patchers call it)
     patch_pylate, unpatch_pylate                      # PyLate integration
     patch_colpali_engine, unpatch_colpali_engine      # colpali-engine integration
     patch_sentence_transformers, unpatch_sentence_transformers  # sentence-transformers 6.x
@@ -47,7 +46,6 @@ _LAZY = {
     "maxsim_residual": ("lik_plugins.plaid", "maxsim_residual"),
     "maxsim_residual_varlen": ("lik_plugins.plaid", "maxsim_residual_varlen"),
     "plaid_approx_score": ("lik_plugins.plaid", "plaid_approx_score"),
-    "warm_up": ("lik_plugins.kernels.dispatch", "warm_up"),
     "patch_pylate": ("lik_plugins.pylate", "patch_pylate"),
     "unpatch_pylate": ("lik_plugins.pylate", "unpatch_pylate"),
     "patch_colpali_engine": ("lik_plugins.colpali", "patch_colpali_engine"),

@@ -14,16 +14,6 @@ between two calls in the same process.
                             (default 2**24, i.e. 64 MB of fp32 scratch).
 ``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
                             the compiled launcher (see ``kernels/triton/direct.py``).
-``LIK_COMPILE_AHEAD``       where a training step's backward kernels compile while its
-                            forward compiles (``kernels/triton/ahead.py``): ``process``
-                            (default: compiler processes, off this process's GIL; threads
-                            where none can start), ``thread`` (background threads of this
-                            process), ``0``: not ahead -- in the caller's thread when the
-                            backward needs them.
-``LIK_SERVE_WHILE_COMPILING`` ``1`` (default): with compile ahead on, a training call (``maxsim``
-                            with a gradient) whose kernel binary is not built yet runs on the
-                            chunked path while the binary builds in the background, instead of
-                            waiting for it (seconds); ``0``: wait (every call on the kernels).
 ``LIK_AUTOTUNE``            ``auto`` (default): forward and backward configs come from the
                             committed per-architecture table (``kernels/triton/configs/``);
                             an architecture without a table is swept once and the result
@@ -64,24 +54,6 @@ def disabled() -> bool:
 
 def direct_launch_enabled() -> bool:
     return _getenv("LIK_DIRECT_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def compile_ahead_mode() -> str:
-    """``LIK_COMPILE_AHEAD``: ``process`` (default: compile in compiler processes),
-    ``thread`` (in background threads of this process) or ``off`` (0/false/no/off)."""
-    value = _getenv("LIK_COMPILE_AHEAD", "process").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    return "thread" if value in ("thread", "threads") else "process"
-
-
-def compile_ahead_enabled() -> bool:
-    return compile_ahead_mode() != "off"
-
-
-def serve_while_compiling() -> bool:
-    """``LIK_SERVE_WHILE_COMPILING``: not ``0``/``false``/``no``/``off`` (read on a compile only)."""
-    return _getenv("LIK_SERVE_WHILE_COMPILING", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def forced_backend() -> str:

@@ -45,7 +45,6 @@ from ._config import chunk_elements
 from ._routing import record
 from .kernels import chunked, reference
 from .kernels.common import COMPACT_MAX_ROWS, argmax_dtype
-from .kernels.expected import NotReady, defer_compiles, expect, forget
 from .kernels.dispatch import implementation, served_by, serves_width, sm_count
 
 # Layouts, passed to the ops as ints (a custom op's schema takes int, not an enum).
@@ -126,24 +125,11 @@ def _path(t: torch.Tensor, op: str, entry: str, dim: int = 0) -> str:
     return path
 
 
-def _serve(training: bool, call, path: str, entry: str = "", ahead=None):
-    """``call(path)``, the op's work on the path that serves it.  In a training op
-    (``training``), a launch whose binary is still building raises ``NotReady`` (it starts the
-    build, ``kernels/triton/direct.py``) and the call is served by ``call(CHUNKED)`` instead.
-    Both paths keep the same contract for what the backward reads (winners, log-sum-exp), so a
-    forward served one way and its backward the other agree.  Inference calls wait for their
-    binaries.  ``entry``: the public op to count the serving path for; ``ahead``: a forward's
-    expectation of its backward (``expected.expect``), dropped once the call is made."""
-    defer = defer_compiles() if training else None
-    try:
-        try:
-            result = call(path)
-        except NotReady:
-            path = CHUNKED
-            result = call(path)
-    finally:
-        forget(defer)
-        forget(ahead)
+def _serve(call, path: str, entry: str = ""):
+    """``call(path)``, the op's work on the path that serves it, counted for the public op
+    ``entry`` (none: not counted).  A CUDA call whose Triton binary is not built waits for it
+    (Triton's JIT, or its disk cache: ``python -m lik_plugins.precompile`` fills that ahead)."""
+    result = call(path)
     if entry:
         record(entry, path)
     return result
@@ -182,14 +168,8 @@ def maxsim_forward(
     Pairs (``layout == PAIRS``) score ``D [B, Ld, d]`` as one candidate per query.
 
     ``save_argmax``: a training forward, whose backward (``maxsim_backward`` with ``strategy``,
-    ``need_q``, ``need_d``) will follow -- in eager code or in a compiled graph alike: that
-    backward's kernels compile beside this forward's if it compiles, and a binary not built
-    yet is served on the chunked path meanwhile (``kernels/triton/ahead.py``)."""
+    ``need_q``, ``need_d``) will follow."""
     path = _path(Q, "maxsim", "")
-    ahead = None
-    if save_argmax:
-        ahead = expect(_maxsim_backward_ahead, (Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q,
-                                                need_d), _maxsim_step_ahead)
     if layout == PAIRS:
         D = D.unsqueeze(1)
         d_mask = None if d_mask is None else d_mask.unsqueeze(1)
@@ -198,7 +178,7 @@ def maxsim_forward(
     def forward(on):
         return implementation(on).maxsim.forward(Q, D, q_mask, d_mask, **options)
 
-    scores, argmax = _serve(save_argmax, forward, path, entry, ahead)
+    scores, argmax = _serve(forward, path, entry)
     if layout == PAIRS:
         scores = scores.squeeze(1)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
@@ -251,8 +231,7 @@ def maxsim_backward(
     strategy: str, need_q: bool, need_d: bool, q_masked: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_Q, grad_D)`` through the winners (empty where not needed), in the inputs'
-    dtypes and shapes, contiguous.  A binary not built yet is served on the chunked path
-    meanwhile, as in :func:`maxsim_forward`."""
+    dtypes and shapes, contiguous."""
     path = _path(Q, "maxsim", "")
     cross = layout == CROSS
     shape = (Q.shape[0], Q.shape[1], D.shape[0], D.shape[1], Q.shape[2]) if cross else None
@@ -265,7 +244,7 @@ def maxsim_backward(
     def backward(on):
         return implementation(on).maxsim.backward(grad, Q, D_view, argmax, **options)
 
-    gq, gd = _serve(True, backward, path)
+    gq, gd = _serve(backward, path)
     if gd is not None and layout == PAIRS:
         gd = gd.squeeze(1)
     return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
@@ -291,20 +270,6 @@ class _MaxSim(torch.autograd.Function):
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gq, gd = maxsim_backward(grad, Q, D, argmax, layout, normalize, strategy, need_q, need_d, q_masked)
         return (gq if need_q else None), (gd if need_d else None), None, None, None
-
-
-def _maxsim_backward_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d):
-    # a dry run (kernels/triton/ahead.py): the saved winners and the incoming gradient,
-    # uninitialised, as the forward's fake kernel shapes them
-    scores, argmax = _maxsim_forward_fake(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, "", strategy,
-                                          need_q, need_d)
-    maxsim_backward(torch.empty_like(scores), Q, D, argmax, layout, normalize, strategy, need_q, need_d,
-                    q_mask is not None)
-
-
-def _maxsim_step_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d):
-    maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, zero_mode, True, "", strategy, need_q, need_d)
-    _maxsim_backward_ahead(Q, D, q_mask, d_mask, layout, normalize, zero_mode, strategy, need_q, need_d)
 
 
 def maxsim(Q, D, q_mask, d_mask, *, layout: int, normalize: bool, zero_mode: bool, strategy: str,
@@ -358,20 +323,15 @@ def maxsim_varlen_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed scores (``[Nq, Nd]``, or ``[P]`` for a pair list) and, when ``save_argmax``,
     the winners (``[Nq, Nd, max_q]`` / ``[P, max_q]``; -1: none).  ``save_argmax``: the
-    backward (``need_q``, ``need_d``) follows, and compiles beside this forward if it compiles
-    (packed lengths are not guessed: their kernels take the lengths from the offsets)."""
+    backward (``need_q``, ``need_d``) follows."""
     path = _varlen_path(Q)
-    ahead = None
-    if save_argmax:
-        ahead = expect(_varlen_backward_ahead, (Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
-                                                normalize, zero_mode, need_q, need_d))
 
     def forward(on):
         return implementation(on).maxsim.varlen_forward(
             Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), q_mask, d_mask, max_q=max_q, max_d=max_d,
             normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
 
-    scores, argmax = _serve(save_argmax, forward, path, entry, ahead)
+    scores, argmax = _serve(forward, path, entry)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
 
 
@@ -391,7 +351,7 @@ def maxsim_varlen_backward(
         return implementation(on).maxsim.varlen_backward(grad, Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), argmax,
                                                          normalize=normalize, need_q=need_q, need_d=need_d)
 
-    gq, gd = _serve(True, backward, _varlen_path(Q))
+    gq, gd = _serve(backward, _varlen_path(Q))
     return (gq if gq is not None else _no_tensor(Q)), (gd if gd is not None else _no_tensor(D))
 
 
@@ -422,14 +382,6 @@ class _MaxSimVarlen(torch.autograd.Function):
         return (gq if need_q else None), (gd if need_d else None), None, None, None, None, None, None, None
 
 
-def _varlen_backward_ahead(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d, normalize, zero_mode,
-                           need_q, need_d):
-    scores, argmax = _varlen_forward_fake(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
-                                          normalize, zero_mode, True, "", need_q, need_d)
-    maxsim_varlen_backward(torch.empty_like(scores), Q, D, cu_q, cu_d, pair_q, pair_d, argmax, normalize, need_q,
-                           need_d)
-
-
 def maxsim_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, *, max_q: int, max_d: int, normalize: bool,
                   zero_mode: bool, entry: str) -> torch.Tensor:
     """Validated packed inputs in, scores out (through autograd when a gradient is needed)."""
@@ -451,16 +403,11 @@ def _smooth_forward_fake(Q, D, tau, layout, entry, need_q, need_d):
 def smooth_maxsim_forward(Q: torch.Tensor, D: torch.Tensor, tau: float, layout: int, entry: str, need_q: bool,
                           need_d: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Smooth-max scores and the per-row log-sum-exp ``[Nq, NJ, Lq]`` (fp32; fp64 inputs: fp64).
-    ``need_q`` / ``need_d``: the backward that follows (neither: none), which compiles beside
-    this forward if it compiles."""
+    ``need_q`` / ``need_d``: the backward that follows (neither: none)."""
     path = _path(Q, "smooth", "")
-    training = need_q or need_d
-    ahead = None
-    if training:
-        ahead = expect(_smooth_backward_ahead, (Q, D, tau, layout, need_q, need_d), _smooth_step_ahead)
     D_view = D.unsqueeze(1) if layout == PAIRS else D
-    scores, lse = _serve(training, lambda on: implementation(on).smooth.smooth_forward(Q, D_view, tau, layout == CROSS),
-                         path, entry, ahead)
+    scores, lse = _serve(lambda on: implementation(on).smooth.smooth_forward(Q, D_view, tau, layout == CROSS), path,
+                         entry)
     return (scores.squeeze(1) if layout == PAIRS else scores), lse
 
 
@@ -476,7 +423,7 @@ def smooth_maxsim_backward(grad: torch.Tensor, Q: torch.Tensor, D: torch.Tensor,
     pairs = layout == PAIRS
     args = (Q, D.unsqueeze(1) if pairs else D, lse, grad.unsqueeze(1) if pairs else grad, tau, layout == CROSS, need_q,
             need_d)
-    gq, gd = _serve(True, lambda on: implementation(on).smooth.smooth_backward(*args), path)
+    gq, gd = _serve(lambda on: implementation(on).smooth.smooth_backward(*args), path)
     gq = _no_tensor(Q) if gq is None else gq.to(Q.dtype)
     gd = _no_tensor(D) if gd is None else (gd.squeeze(1) if pairs else gd).to(D.dtype)
     return gq, gd
@@ -503,16 +450,6 @@ class _SmoothMaxSim(torch.autograd.Function):
             return None, None, None
         gq, gd = smooth_maxsim_backward(grad.contiguous(), Q, D, lse, tau, layout, need_q, need_d)
         return (gq if need_q else None), (gd if need_d else None), None
-
-
-def _smooth_backward_ahead(Q, D, tau, layout, need_q, need_d):
-    scores, lse = _smooth_forward_fake(Q, D, tau, layout, "", need_q, need_d)
-    smooth_maxsim_backward(torch.empty_like(scores), Q, D, lse, tau, layout, need_q, need_d)
-
-
-def _smooth_step_ahead(Q, D, tau, layout, need_q, need_d):
-    smooth_maxsim_forward(Q, D, tau, layout, "", need_q, need_d)
-    _smooth_backward_ahead(Q, D, tau, layout, need_q, need_d)
 
 
 def smooth_maxsim(Q, D, *, tau: float, layout: int, entry: str) -> torch.Tensor:

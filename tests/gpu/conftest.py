@@ -1,11 +1,6 @@
 """The GPU suite shares helpers with the CPU kernel tests (``tests/kernel_paths/maxsim_testlib.py``)."""
-import os
 import sys
 from pathlib import Path
-
-# The suite checks the kernels: a training call must not be served on the chunked path while
-# its binary builds (tests/gpu/test_compile_ahead_gpu.py turns that on in its own processes).
-os.environ.setdefault("LIK_SERVE_WHILE_COMPILING", "0")
 
 _KERNEL_TESTS = str(Path(__file__).resolve().parent.parent / "kernel_paths")
 if _KERNEL_TESTS not in sys.path:

@@ -27,7 +27,6 @@ import threading
 import torch
 
 from .._patching import PatchLedger
-from ..kernels.dispatch import warm_up
 from .._routing import record
 from .._config import disabled
 from . import _scores as sc
@@ -282,7 +281,6 @@ def patch_colpali_engine() -> str:
             _ledger.revert()
             raise
         _generation = gen
-    warm_up()
     return gen.name
 
 

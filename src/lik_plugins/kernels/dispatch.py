@@ -55,25 +55,6 @@ def serves_width(path: str, op: str, dim: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def warm_up() -> None:
-    """Prepare this process for its first kernel call, where the Triton kernels will serve
-    CUDA tensors (a CUDA device, Triton installed, not disabled): import the op layer and
-    the kernels here (their modules, registering the ops: milliseconds on an idle
-    interpreter, over a second inside a cold first step that shares the interpreter with
-    compiler threads), and start Triton's per-process set-up in the background
-    (``kernels/triton/ahead.warm_up``).  The host patchers call it, so both overlap the
-    model's loading; a hand-written loop can call ``lik_plugins.warm_up()`` early.  At most
-    once per process; creates no CUDA context."""
-    if disabled() or forced_backend() not in ("auto", "triton") or triton_interpret() \
-            or not torch.cuda.is_available() or not triton_available():
-        return
-    importlib.import_module("lik_plugins.library")
-    from .triton import ahead, launch  # noqa: F401  (launch: the kernels' modules)
-
-    ahead.warm_up()
-
-
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     try:
         importlib.import_module("triton")

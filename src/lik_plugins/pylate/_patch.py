@@ -27,7 +27,6 @@ import threading
 from typing import Any
 
 from .._patching import PatchLedger, instance_slot_property, lookalike
-from ..kernels.dispatch import warm_up
 from . import _layout as layout_mod
 from . import _scores
 
@@ -168,7 +167,6 @@ def patch_pylate() -> layout_mod.PyLateLayout:
         _apply(layout)
         _current = layout
         _scores.bind(layout, active=True)
-    warm_up()
     return layout
 
 

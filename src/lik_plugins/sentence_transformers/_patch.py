@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .._patching import PatchLedger, instance_slot_property, lookalike
-from ..kernels.dispatch import warm_up
 from . import _scores
 
 SIMILARITY = "sentence_transformers.util.similarity"
@@ -204,7 +203,6 @@ def patch_sentence_transformers() -> STLayout:
         _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
         _apply(layout, _served)
         _current = layout
-    warm_up()
     return layout
 
 

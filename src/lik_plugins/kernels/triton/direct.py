@@ -33,10 +33,9 @@ import warnings
 
 import torch
 import triton
+import triton.language as tl
 
-from ..._config import compile_ahead_enabled, direct_launch_enabled, serve_while_compiling
-from ..expected import NotReady, deferring
-from . import ahead
+from ..._config import direct_launch_enabled
 
 # Triton releases (major, minor) whose compiled-launcher layout the replay was checked
 # against on a GPU; others launch through the JIT.
@@ -108,11 +107,6 @@ def variants() -> dict[str, int]:
     return counts
 
 
-def launched() -> set:
-    """The variants (:func:`variant`) launched so far."""
-    return _VARIANTS
-
-
 def reset_variants() -> None:
     _VARIANTS.clear()
 
@@ -145,19 +139,6 @@ def _tail(kernel, n_positional: int, meta: dict) -> tuple:
     return tuple(meta[p.name] if p.name in meta else p.default for p in params)
 
 
-def _defer_if_building(kernel, args: tuple, meta: dict, needed: tuple) -> None:
-    """Inside the op layer's training ops (``expected.deferring``), with compile ahead on: a
-    binary not built yet starts building in the background and this launch raises
-    ``NotReady`` -- the op serves the call on the chunked path (``library.py``).  A cold
-    PyLate step waited 4-7 s for its three binaries on the H200 machine, where PyLate's own
-    einsum path took 1.1 s (``benchmarks/real_loop.py``)."""
-    if type(kernel) is not triton.runtime.JITFunction or not deferring() or not compile_ahead_enabled() \
-            or ahead.ready(needed) or not serve_while_compiling() or torch.cuda.is_current_stream_capturing():
-        return
-    ahead.defer(kernel, args, meta, needed)
-    raise NotReady(needed[0])
-
-
 def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensors=None):
     """``kernel[grid](*args, **meta)``, replayed straight into the compiled launcher once the
     plan has been launched through the JIT.  ``grid`` is a tuple or a function of ``meta``.
@@ -169,19 +150,10 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
     control (the user's inputs and views of them); the others must be fresh allocations of
     PyTorch's CUDA allocator, which starts every block on a 512-byte boundary, so their
     alignment needs no check (~3 us less per launch on the device machine's CPU)."""
-    recorded = ahead.recording()
-    if recorded is not None:        # a dry run (ahead.py): note the launch, make none
-        recorded.append((kernel, grid, args, meta))
-        return None
     # an Autotuner or the interpreter's function (TRITON_INTERPRET=1 at import) is not a JITFunction
     if type(kernel) is not triton.runtime.JITFunction or not direct_launch_enabled() or _hooks_set() \
             or not replay_ok():
-        needed = variant(kernel, args, meta)
-        if needed not in _VARIANTS:      # this binary's first launch here: a compile, or a load from disk
-            _defer_if_building(kernel, args, meta, needed)
-            _VARIANTS.add(needed)
-            ahead.fire(needed)
-        ahead.wait(needed)
+        _VARIANTS.add(variant(kernel, args, meta))
         return kernel[grid](*args, **meta)
     if callable(grid):
         grid = grid(meta)
@@ -202,13 +174,8 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         if plan is None:
-            needed = variant(kernel, args, meta)
-            if needed not in _VARIANTS:
-                _defer_if_building(kernel, args, meta, needed)
-            _VARIANTS.add(needed)
-            ahead.fire(needed)      # a compile, or a load from disk: start the backward's beside it
-            ahead.wait(needed)      # and take this binary from a background thread if one has it
-            compiled = kernel[grid](*args, **meta)
+            _VARIANTS.add(variant(kernel, args, meta))
+            compiled = kernel[grid](*args, **meta)     # the JIT: a compile, or a load from the disk cache
             _plans[key] = _plans[generic] = (compiled, _tail(kernel, len(args), meta))
             return compiled
         _plans[key] = plan
@@ -224,10 +191,16 @@ def clear() -> None:
     _plans.clear()
 
 
+@triton.jit(do_not_specialize=["n"])
+def self_check_kernel(X, OUT, n, scale, BLOCK: tl.constexpr):
+    """``OUT[i] = X[i] * scale`` for ``i < n``: the replay's self-check (:func:`replay_ok`)."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + o, tl.load(X + o, mask=o < n) * scale, mask=o < n)
+
+
 _REPLAY_OK: list = []
-_CHECK_COMPILE: list = []
-# the self-check launch: (x, out, n, scale) as Triton's warm-up takes them, and its meta
-_CHECK_ARGS = (torch.float32, torch.float32, 37, 2.0)
+# the self-check launch: (n, scale) of its two calls, and its meta
+_CHECK_CALLS = ((37, 2.0), (91, 3.0))
 _CHECK_META = {"BLOCK": 64}
 
 
@@ -235,23 +208,16 @@ def replay_ok() -> bool:
     """The replay is verified for this Triton (:data:`VERIFIED_TRITON`) and passed its
     self-check: a small kernel launched through the JIT and then replayed with other
     arguments (lengths not specialised, another scalar, another output) must write what
-    the JIT computes.  Checked once per process, on the first CUDA launch; a failure
-    warns once and leaves every launch on the JIT path."""
+    the JIT computes.  Checked once per process, on the first CUDA launch outside a CUDA
+    graph's capture (the check copies its results to the host); a failure warns once and
+    leaves every launch on the JIT path."""
     if _REPLAY_OK:
         return _REPLAY_OK[0]
+    if torch.cuda.is_current_stream_capturing():
+        return False
     version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
     ok, why = version in VERIFIED_TRITON, f"Triton {triton.__version__} is not one of the verified releases"
     if ok:
-        # The check's own kernel compiles in the background (0.4-0.8 s on the H100 machine's
-        # CPU, otherwise on a cold process's first step); launches take the JIT path until it
-        # is ready, and while a CUDA graph captures (the check copies its results to the host).
-        if not _CHECK_COMPILE:
-            from .launcher_check import self_check_kernel
-
-            _CHECK_COMPILE.append(ahead.compile_later(self_check_kernel, torch.cuda.current_device(),
-                                                      _CHECK_ARGS, _CHECK_META))
-        if not _CHECK_COMPILE[0].done() or torch.cuda.is_current_stream_capturing():
-            return False
         try:
             ok, why = _self_check(), "the replayed launch wrote other values than the JIT's"
         except Exception as exc:  # a changed launcher layout shows up as a TypeError or a fault
@@ -264,22 +230,19 @@ def replay_ok() -> bool:
 
 
 def _self_check() -> bool:
-    """Runs on a user's step (the first CUDA launch after the check's kernel is ready), so it
-    launches nothing but its own kernel: inputs go up and results come down as copies and are
-    compared on the host.  Comparing on the GPU (``torch.equal``, ``torch.where``) made the
-    first use of those PyTorch kernels load their modules there: a 17-26 ms step in cold
-    loops of ~1 ms steps (``benchmarks/real_loop.py --sample-spikes``)."""
-    from .launcher_check import self_check_kernel
-
+    """Runs on a user's step (the first CUDA launch), so it launches nothing but its own
+    kernel: inputs go up and results come down as copies and are compared on the host.
+    Comparing on the GPU (``torch.equal``, ``torch.where``) made the first use of those
+    PyTorch kernels load their modules there: a 17-26 ms step in cold loops of ~1 ms steps
+    (``benchmarks/real_loop.py --sample-spikes``)."""
     x_host = torch.arange(100, dtype=torch.float32)
     x = x_host.to("cuda")
     outs = [torch.full((100,), -1.0).to("cuda") for _ in range(2)]
-    n_first, n_second = _CHECK_ARGS[2], 91
-    meta = _CHECK_META
-    compiled = self_check_kernel[(2,)](x, outs[0], n_first, _CHECK_ARGS[3], **meta)
-    tail = _tail(self_check_kernel, 4, meta)
+    (n_first, k_first), (n_second, k_second) = _CHECK_CALLS
+    compiled = self_check_kernel[(2,)](x, outs[0], n_first, k_first, **_CHECK_META)
+    tail = _tail(self_check_kernel, 4, _CHECK_META)
     compiled.run(2, 1, 1, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), compiled.function,
-                 compiled.packed_metadata, None, None, None, x, outs[1], n_second, 3.0, *tail)
+                 compiled.packed_metadata, None, None, None, x, outs[1], n_second, k_second, *tail)
     got = [o.cpu() for o in outs]       # waits for this stream's work, the check's included
-    want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in ((n_first, 2.0), (n_second, 3.0))]
+    want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in _CHECK_CALLS]
     return all(torch.equal(o, w) for o, w in zip(got, want))
