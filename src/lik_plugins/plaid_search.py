@@ -1,0 +1,235 @@
+"""PLAID search over a fast-plaid index on disk, a batch of queries at a time, on the GPU.
+
+fast-plaid (PyLate's ``indexes.PLAID``) searches one query at a time in libtorch ops with a
+host synchronisation at each step.  :func:`plaid_search` runs the same algorithm
+(fast-plaid 1.4.6, ``rust/search/search.rs``) for a whole batch, with no host
+synchronisation until the results are read back once:
+
+1. centroid scores ``S = centroids @ Q.T`` for every query token, in fp16 as fast-plaid
+   computes them (queries and centroids rounded to fp16);
+2. IVF probe: the ``n_ivf_probe`` best centroids of each query token, and the union of
+   their inverted lists -- a dense ``[B, N]`` candidate mask (:mod:`.kernels.triton.plaid_probe`);
+3. approximate score of every candidate from its codes (``sum_s max_t S[code_t, s]``);
+4. the ``max(n_full_scores // 4, 1)`` best candidates by that score (fast-plaid keeps the
+   top ``n_full_scores`` and then decompresses the top quarter of those);
+5. their exact MaxSim against the decompressed, L2-normalised residual tokens, read in place
+   from the packed index by the residual kernel (pair list over the whole index);
+6. the top ``k``.
+
+Memory is bounded whatever the batch: queries are taken ``B`` at a time with ``B`` sized so
+that the centroid scores and the ``[B, N]`` candidate buffers fit :data:`WORKSPACE_BYTES`.
+
+The index (:func:`load_fast_plaid_index`) is read from fast-plaid's files once per
+(folder, device, ``metadata.json`` modification time) and kept on the device: codes int32
+(fast-plaid holds int64), residuals uint8 as stored, centroids fp16, inverted lists int32.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from . import _routing
+from ._validate import check_tensor
+from .kernels.dispatch import implementation, served_by
+
+__all__ = ["FastPlaidIndex", "load_fast_plaid_index", "plaid_search", "clear_index_cache"]
+
+logger = logging.getLogger(__name__)
+
+#: Device memory one batch of queries may use for its centroid scores and candidate
+#: buffers (the index itself excluded); the batch shrinks to fit, down to one query.
+WORKSPACE_BYTES = 512 << 20
+# CUDA's limit on a grid's second dimension (the approximate-score kernel's queries)
+_MAX_GRID_Y = 65535
+
+
+class FastPlaidIndex(NamedTuple):
+    """A fast-plaid index held on one device (:func:`load_fast_plaid_index`)."""
+
+    centroids: torch.Tensor        # [C, d] fp16
+    bucket_weights: torch.Tensor   # [2**nbits] fp32
+    nbits: int
+    codes: torch.Tensor            # [T] int32, every document's tokens back to back
+    residuals: torch.Tensor        # [T, d * nbits / 8] uint8
+    doc_offsets: torch.Tensor      # [N + 1] int32
+    ivf: torch.Tensor              # [E] int32 document ids, every centroid's list back to back
+    ivf_offsets: torch.Tensor      # [C + 1] int64
+    max_doclen: int
+
+    @property
+    def n_docs(self) -> int:
+        return self.doc_offsets.shape[0] - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self if isinstance(t, torch.Tensor))
+
+
+_cache: dict = {}
+_cache_lock = threading.Lock()
+
+
+def _read_index(path: str, device: torch.device) -> FastPlaidIndex:
+    with open(os.path.join(path, "metadata.json")) as fh:
+        meta = json.load(fh)
+    load = lambda name: np.load(os.path.join(path, name))  # noqa: E731
+    lengths, codes, residuals = [], [], []
+    for chunk in range(int(meta["num_chunks"])):
+        with open(os.path.join(path, f"doclens.{chunk}.json")) as fh:
+            chunk_lengths = json.load(fh)
+        n = int(sum(chunk_lengths))
+        lengths.extend(chunk_lengths)
+        # chunk by chunk to the device: one host copy of a chunk at a time, never the index
+        codes.append(torch.from_numpy(load(f"{chunk}.codes.npy")[:n].astype(np.int32)).to(device))
+        residuals.append(torch.from_numpy(np.ascontiguousarray(load(f"{chunk}.residuals.npy")[:n])).to(device))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise ValueError(f"{path}: {offsets[-1]} tokens; at most 2**31 - 1 are supported")
+    ivf_lengths = load("ivf_lengths.npy").astype(np.int64)
+    ivf_offsets = np.zeros(ivf_lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(ivf_lengths, out=ivf_offsets[1:])
+    return FastPlaidIndex(
+        centroids=torch.from_numpy(load("centroids.npy")).to(device, torch.float16).contiguous(),
+        bucket_weights=torch.from_numpy(load("bucket_weights.npy")).to(device, torch.float32),
+        nbits=int(meta["nbits"]),
+        codes=torch.cat(codes) if codes else torch.zeros(0, dtype=torch.int32, device=device),
+        residuals=torch.cat(residuals) if residuals else torch.zeros(0, 0, dtype=torch.uint8, device=device),
+        doc_offsets=torch.from_numpy(offsets.astype(np.int32)).to(device),
+        ivf=torch.from_numpy(load("ivf.npy").astype(np.int32)).to(device),
+        ivf_offsets=torch.from_numpy(ivf_offsets).to(device),
+        max_doclen=int(max(lengths, default=0)),
+    )
+
+
+def load_fast_plaid_index(path: str, device: str | torch.device) -> FastPlaidIndex:
+    """The fast-plaid index in folder ``path`` (``metadata.json``, ``centroids.npy``,
+    ``bucket_weights.npy``, ``ivf.npy``, ``ivf_lengths.npy``, ``doclens.<i>.json``,
+    ``<i>.codes.npy``, ``<i>.residuals.npy``) on ``device``.
+
+    Read once per (folder, device, modification time of ``metadata.json``, which fast-plaid
+    rewrites on every create / update / delete); later calls return the cached tensors.  The
+    bytes it holds are logged (``FastPlaidIndex.nbytes``).
+
+    Example::
+
+        >>> index = load_fast_plaid_index("indexes/plaid/fast_plaid_index", "cuda")
+    """
+    device = torch.device(device)
+    key = (os.path.realpath(path), str(device))
+    mtime = os.stat(os.path.join(path, "metadata.json")).st_mtime_ns
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None and hit[0] == mtime:
+            return hit[1]
+        _cache.pop(key, None)                     # an outdated copy goes before the new one loads
+        index = _read_index(path, device)
+        _cache[key] = (mtime, index)
+    logger.info("lik_plugins: fast-plaid index %s on %s: %d documents, %d tokens, %.1f MiB", path, device,
+                index.n_docs, index.codes.shape[0], index.nbytes / 2**20)
+    return index
+
+
+def clear_index_cache() -> None:
+    """Drop every index :func:`load_fast_plaid_index` holds."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def _batch_size(index: FastPlaidIndex, lq: int, n_rerank: int) -> int:
+    per_query = (index.centroids.shape[0] * lq * 2            # centroid scores, fp16
+                 + index.n_docs * (1 + 4 + 4)                 # candidate mask, approx scores, top-k scratch
+                 + n_rerank * 24)                             # pair lists, exact scores, top-k
+    return int(max(1, min(_MAX_GRID_Y, WORKSPACE_BYTES // max(per_query, 1))))
+
+
+def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: int, n_rerank: int):
+    probe = implementation("triton")
+    from .kernels.triton import plaid_probe
+
+    nq, lq, _ = Q.shape
+    n_docs = index.n_docs
+    # 1. centroid scores [B, C, Lq], fp16 as fast-plaid's (centroids fp16 @ queries fp16)
+    S = torch.matmul(index.centroids, Q.transpose(1, 2))
+    # 2. IVF probe: each query token's best cells, their lists' union as a [B, N] mask
+    n_probe = min(n_ivf_probe, index.centroids.shape[0])
+    cells = S.topk(n_probe, dim=1).indices.reshape(nq, n_probe * lq)
+    mask = plaid_probe.mark_candidates(cells, index.ivf, index.ivf_offsets, n_docs)
+    # 3. approximate scores (-inf off the candidates), 4. the best n_rerank of them
+    approx = plaid_probe.approx_scores(S, index.codes, index.doc_offsets, mask)
+    del S, mask
+    n_keep = min(n_rerank, n_docs)
+    top_approx, picked = approx.topk(n_keep, dim=1)                                 # [B, n_keep]
+    del approx
+    # 5. exact MaxSim of each query against its picked documents, read in place
+    launch = probe.maxsim
+    pair_q = torch.arange(nq, device=Q.device, dtype=torch.int32).repeat_interleave(n_keep)
+    pair_d = picked.reshape(-1).to(torch.int32)
+    cu_q = torch.arange(0, (nq + 1) * lq, lq, dtype=torch.int32, device=Q.device)
+    weights = launch.stream_order_weights(index.bucket_weights, index.nbits)
+    fmt = launch.DocFormat(launch.RESIDUAL, index.codes, index.centroids, weights, (0, 0, 1),
+                           index.centroids.shape[0], index.nbits)
+    exact = launch.varlen_forward(Q.reshape(nq * lq, -1), index.residuals, cu_q, index.doc_offsets,
+                                  (pair_q, pair_d), None, None, max_q=lq, max_d=max(index.max_doclen, 1),
+                                  normalize=True, zero_mode=False, save_argmax=False, doc_format=fmt)[0]
+    exact = exact.reshape(nq, n_keep).masked_fill(top_approx == float("-inf"), float("-inf"))
+    # 6. top k
+    scores, at = exact.topk(min(k, n_keep), dim=1)
+    return scores, picked.gather(1, at)
+
+
+def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_probe: int = 8,
+                 n_full_scores: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """PLAID search of ``Q`` against a fast-plaid index, as fast-plaid 1.4.6 searches it.
+
+    Args:
+        index: from :func:`load_fast_plaid_index` (on the device that computes).
+        Q: ``[Nq, Lq, d]`` query tokens, or ``[Lq, d]`` for one; rounded to fp16 as
+            fast-plaid rounds them.  The exact stage L2-normalises query tokens (fast-plaid
+            does not): give unit-norm tokens (ColBERT's) or zero padding tokens.
+        k: results per query.
+        n_ivf_probe: centroids probed per query token.
+        n_full_scores: candidates kept by approximate score; the best quarter of them
+            (at least one) is scored exactly, as fast-plaid does.
+
+    Returns:
+        ``(scores, ids)``, ``[Nq, min(k, n)]`` fp32 and int64 on the index's device, best
+        first; a query with fewer candidates than ``k`` has ``-inf`` scores (and arbitrary
+        ids) in its last places.
+
+    Needs the Triton kernels (CUDA, or ``TRITON_INTERPRET=1`` with ``LIK_BACKEND=triton``).
+
+    Example::
+
+        >>> index = load_fast_plaid_index(path, "cuda")
+        >>> scores, ids = plaid_search(index, Q.cuda(), 10, n_ivf_probe=8, n_full_scores=8192)
+    """
+    if Q.dim() == 2:
+        Q = Q.unsqueeze(0)
+    check_tensor("Q", Q, 3)
+    if Q.shape[-1] != index.centroids.shape[1]:
+        raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, the index d={index.centroids.shape[1]}")
+    for name, value in (("k", k), ("n_ivf_probe", n_ivf_probe), ("n_full_scores", n_full_scores)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    device = index.codes.device
+    Q = Q.to(device, torch.float16).contiguous()
+    path = served_by(Q, "residual")
+    if path != "triton":
+        raise RuntimeError(f"plaid_search needs the Triton kernels; tensors on {device} are served by {path}")
+    _routing.record("plaid_search", "triton")
+    n_rerank = max(n_full_scores // 4, 1)
+    nq, lq = Q.shape[0], Q.shape[1]
+    out_k = min(k, n_rerank, index.n_docs)
+    if nq == 0 or index.n_docs == 0 or lq == 0:
+        return (torch.full((nq, out_k), float("-inf"), device=device),
+                torch.zeros((nq, out_k), dtype=torch.int64, device=device))
+    step = _batch_size(index, lq, n_rerank)
+    parts = [_search_batch(index, Q[i:i + step], k, n_ivf_probe, n_rerank) for i in range(0, nq, step)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
