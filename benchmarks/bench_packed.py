@@ -79,6 +79,31 @@ def _peak(fn, cuda):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+PROFILE = False    # --profile: each row also gets its host time and GPU kernels per call
+CONFIG_AB = False  # --config-ab: ours also with forced forward configs on the held-out shapes
+
+
+def _breakdown(fn, calls=5):
+    """Host wall time of one call on an idle GPU (median of ``calls``) and the device
+    kernels of a call: ``[(name, us per call, launches per call)]``, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    host = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.key[:48], round(e.device_time_total / calls, 1), round(e.count / calls, 2))
+                      for e in prof.key_averages() if e.device_time_total > 0), key=lambda k: -k[1])
+    return {"host_us": round(statistics.median(host), 1), "kernels": kernels[:8]}
+
+
 def _ragged(n, lo, hi, d, dtype, device, g):
     lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.nn.functional.normalize(torch.randn(L, d, generator=g), dim=-1).to(dtype).to(device)
@@ -88,9 +113,14 @@ def _ragged(n, lo, hi, d, dtype, device, g):
 def _sizes(smoke):
     if smoke:
         return dict(rerank_c=40, multi_q=4, multi_c=6, train_b=6, pairs=300, pair_q=20, pair_d=60, ld=(5, 30),
-                    lq=8, rr_q=3, rr_c=20, d=32)
+                    lq=8, rr_q=3, rr_c=20, d=32, ho_train=(5, (4, 12), (10, 40)), ho_pairs=(3, 20, (5, 25)),
+                    ho_rerank=(50, (3, 18)), ho_lists=(100, 1000))
     return dict(rerank_c=1000, multi_q=64, multi_c=100, train_b=256, pairs=100_000, pair_q=1000, pair_d=10_000,
-                ld=(50, 300), lq=32, rr_q=100, rr_c=1000, d=128)
+                ld=(50, 300), lq=32, rr_q=100, rr_c=1000, d=128,
+                # the held-out shapes of issue 37: (B, query lengths, document lengths); (queries,
+                # candidates each, lengths); (documents, lengths); pair-list sizes
+                ho_train=(128, (16, 48), (100, 500)), ho_pairs=(16, 3000, (50, 250)),
+                ho_rerank=(5000, (30, 180)), ho_lists=(10_000, 1_000_000))
 
 
 # ----------------------------------------------------------------------------- cases
@@ -138,12 +168,39 @@ class Child:
                 torch.save(out.detach().float().cpu(), self.ref_path)
             ms, iqr = _timer(fn, self.reps, self.cuda)
             peak = _peak(fn, self.cuda)
+            extra = _breakdown(fn) if self.cuda and PROFILE else {}
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run a case: say why
             print(f"[bench] {title} / {label}: {exc!r}")
             self.add(dict(case=title, impl=label, error=repr(exc)))
             return
-        print(f"[bench] {title:34s} {label:28s} {ms:9.3f} ms (IQR {iqr:.3f})  peak {peak}  diff {diff}")
-        self.add(dict(case=title, impl=label, ms=ms, iqr_ms=iqr, peak_mib=peak, max_abs_diff=diff, note=note))
+        print(f"[bench] {title:34s} {label:28s} {ms:9.3f} ms (IQR {iqr:.3f})  peak {peak}  diff {diff}  {extra}")
+        self.add(dict(case=title, impl=label, ms=ms, iqr_ms=iqr, peak_mib=peak, max_abs_diff=diff, note=note,
+                      **extra))
+
+    def record_configs(self, label, fn, configs, block_m=None):
+        """``record`` once per forward config ``(BLOCK_N, num_warps, num_stages)`` forced on
+        our packed forward (an A/B of the config table; ``block_m``: the query block's rows
+        instead of ``launch.WIDE_BLOCK_M``).  Ours only."""
+        from lik_plugins.kernels.triton import launch
+
+        pick, wide = launch.forward_kernel_and_meta, launch.WIDE_BLOCK_M
+
+        for config in configs:
+            def forced(**kwargs):
+                kernel, meta, after = pick(**kwargs)
+                if config is None:
+                    return kernel, meta, after
+                n, w, st = config
+                return launch.forward_formats.maxsim_fwd_kernel, {**meta, "BLOCK_N": n, "num_warps": w,
+                                                                  "num_stages": st}, None
+
+            launch.forward_kernel_and_meta = forced
+            launch.WIDE_BLOCK_M = block_m or wide
+            try:
+                name = "table" if config is None else "N{}w{}s{}".format(*config)
+                self.record(f"{label} {block_m or wide} rows {name}", fn)
+            finally:
+                launch.forward_kernel_and_meta, launch.WIDE_BLOCK_M = pick, wide
 
     def add(self, row):
         self.rows.append(row)
@@ -241,6 +298,90 @@ def case_pair_list(c: Child):
                      note=f"pairs gathered outside the timing; aligned D has {Da.numel():.3g} elements")
 
 
+def case_ho_train(c: Child):
+    """Held-out packed training: B queries of 16-48 tokens x B documents of 100-500, fwd + bwd.
+    ``lik_plugins 128-row blocks``: the forward's query block capped at 128 rows (A/B)."""
+    s, g = c.s, c.generator()
+    b, lq, ld = s["ho_train"]
+    Qp, cu_q, mq = lik.pack(c.ragged(b, *lq, g))
+    Dp, cu_d, md = lik.pack(c.ragged(b, *ld, g))
+    Qp.requires_grad_()
+    Dp.requires_grad_()
+
+    def train(fn):
+        def step():
+            Qp.grad = Dp.grad = None
+            out = fn(Qp, Dp, cu_q, cu_d, mq, md)
+            out.backward(torch.ones_like(out))
+            return out.detach()
+        return step
+
+    if c.impl == "lik_plugins":
+        c.record("lik_plugins", train(lik.maxsim_varlen), save_ref=True)
+        if c.cuda and CONFIG_AB:
+            step = train(lik.maxsim_varlen)
+            c.record_configs("lik_plugins", step, [(64, 8, 2)])
+            c.record_configs("lik_plugins", step, [None], block_m=128)
+            c.record_configs("lik_plugins", step, [None], block_m=64)
+    else:
+        c.record(c.impl, train(c.peer().maxsim_varlen))
+
+
+def case_ho_pairs(c: Child):
+    """Held-out pair list: Nq queries x C candidates each (Nq * C distinct documents)."""
+    s, g = c.s, c.generator()
+    nq, n_cand, ld = s["ho_pairs"]
+    Qp, cu_q, mq = lik.pack(c.ragged(nq, s["lq"], s["lq"], g))
+    Dp, cu_d, md = lik.pack(c.ragged(nq * n_cand, *ld, g))
+    pq = torch.arange(nq, device=c.device, dtype=torch.int32).repeat_interleave(n_cand)
+    pd = torch.arange(nq * n_cand, device=c.device, dtype=torch.int32)
+    _score_pairs(c, Qp, Dp, cu_q, cu_d, pq, pd, mq, md)
+    if c.impl == "lik_plugins" and c.cuda and CONFIG_AB:
+        with torch.no_grad():
+            c.record_configs("lik_plugins", lambda: lik.score_pairs_packed(
+                Qp, Dp, cu_q, cu_d, pq, pd, max_seqlen_q=mq, max_seqlen_d=md), [(64, 4, 3), (32, 4, 3)])
+
+
+def case_ho_rerank(c: Child):
+    """Held-out one-query rerank with ``maxsim_varlen``."""
+    s, g = c.s, c.generator()
+    n, ld = s["ho_rerank"]
+    Qp, cu_q, mq = lik.pack(c.ragged(1, s["lq"], s["lq"], g))
+    Dp, cu_d, md = lik.pack(c.ragged(n, *ld, g))
+    with torch.no_grad():
+        if c.impl == "lik_plugins":
+            fn = lambda: lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, md)  # noqa: E731
+            c.record("lik_plugins", fn, save_ref=True)
+            if c.cuda and CONFIG_AB:
+                c.record_configs("lik_plugins", fn, [(32, 4, 3), (128, 4, 4)])
+        else:
+            m = c.peer()
+            c.record(c.impl, lambda: m.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, md))
+
+
+def _pair_list_case(which: int):
+    def case(c: Child):
+        s, g = c.s, c.generator()
+        n_pairs = s["ho_lists"][which]
+        Qp, cu_q, mq = lik.pack(c.ragged(s["pair_q"], max(1, s["lq"] // 2), s["lq"], g))
+        Dp, cu_d, md = lik.pack(c.ragged(s["pair_d"], *s["ld"], g))
+        pq = torch.randint(0, s["pair_q"], (n_pairs,), generator=g).to(torch.int32).to(c.device)
+        pd = torch.randint(0, s["pair_d"], (n_pairs,), generator=g).to(torch.int32).to(c.device)
+        _score_pairs(c, Qp, Dp, cu_q, cu_d, pq, pd, mq, md)
+    return case
+
+
+def _score_pairs(c: Child, Qp, Dp, cu_q, cu_d, pq, pd, mq, md):
+    """Ours against late-interaction-kernels' ``score_pairs_packed`` (inference)."""
+    with torch.no_grad():
+        if c.impl == "lik_plugins":
+            c.record("lik_plugins", lambda: lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, pq, pd, max_seqlen_q=mq,
+                                                                   max_seqlen_d=md), save_ref=True)
+        else:
+            pairs = c.peer(".score_pairs").score_pairs_packed
+            c.record(c.impl, lambda: pairs(Qp, Dp, cu_q, cu_d, pq, pd, max_seqlen_q=mq, max_seqlen_d=md))
+
+
 def case_pylate_rerank(c: Child):
     """PyLate ``rank.rerank``: its own loop (best native backend under
     ``PYLATE_SCORES_BACKEND=auto``) or patched; the row carries the rankings so the parent
@@ -281,6 +422,18 @@ CASES = {
                   title=lambda s: f"pair list {s['pairs']}"),
     "pylate": dict(run=case_pylate_rerank, impls=("PyLate own loop (auto)", "PyLate patched (lik_plugins)"),
                    title=lambda s: f"PyLate rank.rerank {s['rr_q']}x{s['rr_c']} Ld{s['ld'][0]}-{s['ld'][1]}"),
+    # issue 37's held-out shapes, against late-interaction-kernels
+    "ho_train": dict(run=case_ho_train, impls=("lik_plugins", "late-interaction-kernels"),
+                     title=lambda s: "packed train {0} q Lq{1[0]}-{1[1]} x {0} d Ld{2[0]}-{2[1]} fwd+bwd".format(
+                         *s["ho_train"])),
+    "ho_pairs": dict(run=case_ho_pairs, impls=("lik_plugins", "late-interaction-kernels"),
+                     title=lambda s: "score_pairs_packed {0} q x {1} cand Ld{2[0]}-{2[1]}".format(*s["ho_pairs"])),
+    "ho_rerank": dict(run=case_ho_rerank, impls=("lik_plugins", "late-interaction-kernels"),
+                      title=lambda s: "varlen rerank 1x{0} Ld{1[0]}-{1[1]}".format(*s["ho_rerank"])),
+    "ho_list_small": dict(run=_pair_list_case(0), impls=("lik_plugins", "late-interaction-kernels"),
+                          title=lambda s: f"pair list {s['ho_lists'][0]}"),
+    "ho_list_large": dict(run=_pair_list_case(1), impls=("lik_plugins", "late-interaction-kernels"),
+                          title=lambda s: f"pair list {s['ho_lists'][1]}"),
 }
 CHILD_TIMEOUT_S = 480
 
@@ -300,12 +453,31 @@ def _unavailable(impl, cuda):
 def _run_child(case, impl, smoke, reps, work):
     """Rows of one (case, implementation group), run in a child process so that a crash
     there (an illegal memory access poisons the whole CUDA context) takes no other row
-    down.  A child that dies leaves an error row with the tail of its stderr."""
+    down.  A child that dies leaves an error row with the tail of its stderr.  ``case``
+    may list several cases (comma-separated): one process runs them in order."""
     import subprocess
 
     cmd = [sys.executable, os.path.abspath(__file__), work, "--child", case, impl, "--reps", str(reps)]
     if smoke:
         cmd.append("--smoke")
+    if PROFILE:
+        cmd.append("--profile")
+    if CONFIG_AB:
+        cmd.append("--config-ab")
+    if "," in case:
+        rows = []
+        for one in case.split(","):
+            path = os.path.join(work, f"{one}__{impl}.json")
+            if os.path.exists(path):
+                os.remove(path)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        sys.stdout.write(proc.stdout)
+        for one in case.split(","):
+            path = os.path.join(work, f"{one}__{impl}.json")
+            rows += json.load(open(path)) if os.path.exists(path) else [
+                dict(case=CASES[one]["title"](_sizes(smoke)), impl=impl,
+                     error=f"child exited with {proc.returncode}: {proc.stderr.strip()[-300:]}")]
+        return rows
     title = CASES[case]["title"](_sizes(smoke))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
@@ -326,13 +498,27 @@ def _run_child(case, impl, smoke, reps, work):
     return rows
 
 
-def run(out_dir, smoke, reps):
+def run(out_dir, smoke, reps, cases=None, grouped=False):
+    """``cases``: the case names to run (default: all); ``grouped``: one child process per
+    implementation for all its cases (fewer process starts; a crash takes that
+    implementation's later cases with it)."""
     import tempfile
 
     cuda = torch.cuda.is_available() and not smoke
     rows = []
+    selected = {name: spec for name, spec in CASES.items() if cases is None or name in cases}
     with tempfile.TemporaryDirectory(prefix="bench_packed_") as work:
-        for case, spec in CASES.items():
+        if grouped:
+            impls = list(dict.fromkeys(i for spec in selected.values() for i in spec["impls"]))
+            for impl in impls:
+                mine = [name for name, spec in selected.items() if impl in spec["impls"]]
+                why = _unavailable(impl, cuda)
+                if why:
+                    rows += [dict(case=CASES[n]["title"](_sizes(smoke)), impl=impl, skipped=why) for n in mine]
+                    continue
+                rows.extend(_run_child(",".join(mine), impl, smoke, reps, work))
+            selected = {}
+        for case, spec in selected.items():
             for impl in spec["impls"]:
                 why = _unavailable(impl, cuda)
                 if why:
@@ -404,12 +590,18 @@ if __name__ == "__main__":
     p.add_argument("out_dir")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: the script works")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--cases", help="comma-separated case names (default: all): " + ",".join(CASES))
+    p.add_argument("--grouped", action="store_true", help="one child process per implementation")
+    p.add_argument("--profile", action="store_true", help="rows get host time and GPU kernels per call")
+    p.add_argument("--config-ab", action="store_true", help="ours also with forced forward configs")
     p.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"),
-                   help="internal: run one case's rows of one implementation group (OUT_DIR is the work folder)")
+                   help="internal: run cases' rows of one implementation group (OUT_DIR is the work folder)")
     a = p.parse_args()
     reps = a.reps if not a.smoke else 3
+    PROFILE, CONFIG_AB = a.profile, a.config_ab
     if a.child:
-        case, impl = a.child
-        CASES[case]["run"](Child(case, impl, a.smoke, reps, a.out_dir))
+        cases, impl = a.child
+        for case in cases.split(","):
+            CASES[case]["run"](Child(case, impl, a.smoke, reps, a.out_dir))
     else:
-        run(a.out_dir, a.smoke, reps)
+        run(a.out_dir, a.smoke, reps, None if a.cases is None else a.cases.split(","), a.grouped)

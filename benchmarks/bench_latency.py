@@ -1,0 +1,289 @@
+"""One-query ``maxsim`` latency under ``triton.testing.do_bench``, against flash-maxsim and
+late-interaction-kernels, with the GPU timeline of our call.
+
+    python benchmarks/bench_latency.py OUT [--sizes 1000,100000] [--variants default,noahead,jit]
+
+``do_bench`` clears the L2 with a 256 MB memset before every call and keeps the GPU queue
+full, so whatever our call adds to the GPU timeline -- a synchronisation, an extra launch, a
+zero-fill, a wait for a background thread -- is in its median.  Cases: 1 query of 32 tokens
+against ``N`` documents of 300 tokens, bf16, d 128 (unit-norm random tokens).
+
+Per implementation and size, in a process of its own (variants set environment variables):
+* ``cold``: do_bench right after the first call (what a fresh benchmark script measures);
+* ``settled``: do_bench again after background work started by the first call has finished;
+* for ours, ``launcher``: the Triton launcher alone (``kernels/triton/launch.forward``),
+  without the op layers above it;
+* the copy bandwidth of this GPU (a 1 GiB device-to-device copy) and the floor
+  ``bytes read / bandwidth``;
+* with ``--profile``: the GPU timeline of a few do_bench-like iterations (every kernel and
+  memset on the device, in order) and the synchronising runtime calls made per call.
+
+Writes ``latency.json`` and ``latency.md`` under OUT.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, "src")  # this checkout's lik_plugins
+
+LQ, LD, DIM = 32, 300, 128
+# variant -> environment of its process
+VARIANTS = {
+    "default": {},
+    "noahead": {"LIK_COMPILE_AHEAD": "0"},
+    "jit": {"LIK_DIRECT_LAUNCH": "0"},
+}
+# runtime API calls that wait for the device or allocate (counted per call in the profile)
+WATCH = ("Synchronize", "Memcpy", "Malloc", "Free", "ModuleLoad", "LaunchKernel", "Memset", "EventQuery")
+
+
+def _inputs(n_docs: int):
+    g = torch.Generator(device="cuda").manual_seed(n_docs)
+    Q = torch.nn.functional.normalize(torch.randn(1, LQ, DIM, device="cuda", generator=g), dim=-1)
+    D = torch.empty(n_docs, LD, DIM, device="cuda", dtype=torch.bfloat16)
+    for start in range(0, n_docs, 10_000):     # normalised in slices: no full fp32 copy
+        part = torch.randn(min(10_000, n_docs - start), LD, DIM, device="cuda", generator=g)
+        D[start:start + part.shape[0]] = torch.nn.functional.normalize(part, dim=-1)
+    return Q.bfloat16(), D
+
+
+def _impls(group: str):
+    if group == "lik_plugins":
+        import lik_plugins as lik
+        from lik_plugins.kernels.triton import launch
+
+        return {
+            "lik_plugins": lambda Q, D: lik.maxsim(Q, D),
+            "lik_plugins launcher": lambda Q, D: launch.forward(Q, D, None, None, cross=True, normalize=False,
+                                                                zero_mode=False, save_argmax=False)[0],
+        }
+    import flash_maxsim
+    import late_interaction_kernels
+
+    return {
+        "flash-maxsim": lambda Q, D: flash_maxsim.flash_maxsim_batched(Q, D, shared_docs=True),
+        "late-interaction-kernels": lambda Q, D: late_interaction_kernels.maxsim(Q, D),
+    }
+
+
+# forward configs (BLOCK_N, num_warps, num_stages) forced on our kernel with --config-ab
+CONFIGS = [(64, 4, 4), (32, 4, 4), (128, 4, 3), (64, 8, 3)]
+
+
+def _forced_configs(Q, D, rep):
+    """do_bench of our launcher with each of CONFIGS forced (the config table's A/B)."""
+    from triton.testing import do_bench
+
+    from lik_plugins.kernels.triton import launch
+
+    pick = launch.forward_kernel_and_meta
+    rows = []
+    for n, w, st in CONFIGS:
+        def forced(**kwargs):
+            kernel, meta, _ = pick(**kwargs)
+            return launch.forward_formats.maxsim_fwd_kernel, {**meta, "BLOCK_N": n, "num_warps": w,
+                                                              "num_stages": st}, None
+
+        launch.forward_kernel_and_meta = forced
+        launch.clear_plans()
+        try:
+            fn = lambda: launch.forward(Q, D, None, None, cross=True, normalize=False, zero_mode=False,  # noqa: E731
+                                        save_argmax=False)
+            fn()
+            ms = do_bench(fn, warmup=25, rep=rep, return_mode="median")
+            rows.append(dict(impl=f"lik_plugins launcher N{n}w{w}s{st}", settled_ms=ms))
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit: say so
+            rows.append(dict(impl=f"lik_plugins launcher N{n}w{w}s{st}", error=repr(exc)[:200]))
+        finally:
+            launch.forward_kernel_and_meta = pick
+            launch.clear_plans()
+    return rows
+
+
+def _settle():
+    """Wait for background work our first call may have started (compiles ahead, the
+    launcher's self-check), so ``settled`` measures the steady state."""
+    try:
+        from lik_plugins.kernels.triton import ahead, direct
+
+        ahead.settle()
+        for future in list(getattr(ahead, "_pending", {}).values()) + list(getattr(direct, "_CHECK_COMPILE", [])):
+            future.result(timeout=60)
+    except Exception as exc:  # noqa: BLE001 - another layout of those modules: just wait
+        print(f"[latency] settle: {exc!r}")
+    time.sleep(1.0)
+
+
+def _copy_bandwidth() -> float:
+    """Bytes read + written per second of a 1 GiB device-to-device copy."""
+    from triton.testing import do_bench
+
+    x = torch.empty(1 << 29, device="cuda", dtype=torch.bfloat16).normal_()
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3)
+
+
+def _timeline(fn, iters=6) -> dict:
+    """The device's work in do_bench-like iterations (cache clear, call), in order, and the
+    runtime calls of interest per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            cache.zero_()
+            fn()
+        torch.cuda.synchronize()
+    device_events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                           key=lambda e: e.time_range.start)
+    tail = device_events[-8:]
+    t0 = tail[0].time_range.start if tail else 0
+    timeline = [(e.name[:60], round(e.time_range.start - t0, 1), round(e.time_range.elapsed_us(), 1)) for e in tail]
+    calls = {}
+    for e in prof.key_averages():
+        if any(w in e.key for w in WATCH) and e.device_type != torch.autograd.DeviceType.CUDA:
+            calls[e.key] = round(e.count / iters, 2)
+    return {"timeline": timeline, "runtime_calls_per_iter": calls}
+
+
+def child(group: str, sizes: list[int], profile: bool, config_ab: bool = False) -> list[dict]:
+    from triton.testing import do_bench
+
+    rows = []
+    bandwidth = _copy_bandwidth()
+    for n in sizes:
+        Q, D = _inputs(n)
+        floor_ms = D.numel() * D.element_size() / bandwidth * 1e3
+        rep = 100 if n <= 10_000 else 300
+        for name, impl in _impls(group).items():
+            with torch.no_grad():
+                fn = lambda: impl(Q, D)  # noqa: E731
+                out = fn()
+                torch.cuda.synchronize()
+                cold = do_bench(fn, warmup=25, rep=rep, return_mode="median")
+                _settle()
+                settled = do_bench(fn, warmup=25, rep=rep, return_mode="median")
+                row = dict(impl=name, n_docs=n, cold_ms=cold, settled_ms=settled, floor_ms=floor_ms,
+                           floor_fraction=floor_ms / settled, copy_tb_s=bandwidth / 1e12,
+                           checksum=float(out.float().sum()), variant=os.environ.get("LATENCY_VARIANT", "default"))
+                if profile and n <= 10_000:
+                    with warnings_as_rows(row):
+                        torch.cuda.set_sync_debug_mode("warn")
+                        fn()
+                        torch.cuda.set_sync_debug_mode(0)
+                    try:
+                        row.update(_timeline(fn))
+                    except Exception as exc:  # noqa: BLE001 - the numbers above still count
+                        row["timeline_error"] = repr(exc)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        if config_ab and group == "lik_plugins":
+            with torch.no_grad():
+                for row in _forced_configs(Q, D, rep):
+                    row.update(n_docs=n, cold_ms=float("nan"), floor_ms=floor_ms, copy_tb_s=bandwidth / 1e12,
+                               floor_fraction=floor_ms / row["settled_ms"] if "settled_ms" in row else 0.0,
+                               variant=os.environ.get("LATENCY_VARIANT", "default"))
+                    row.setdefault("settled_ms", float("nan"))
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+        del Q, D
+        torch.cuda.empty_cache()
+    return rows
+
+
+class warnings_as_rows:
+    """Collect the warnings of a block (torch's sync debug mode) into ``row["sync_warnings"]``."""
+
+    def __init__(self, row):
+        import warnings
+
+        self.row, self.ctx = row, warnings.catch_warnings(record=True)
+
+    def __enter__(self):
+        import warnings
+
+        self.caught = self.ctx.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self.row["sync_warnings"] = sorted({str(w.message)[:120] for w in self.caught})
+        return self.ctx.__exit__(*exc)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--sizes", default="1000,100000")
+    p.add_argument("--variants", default="default,noahead,jit")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-peers", action="store_true", help="ours only")
+    p.add_argument("--config-ab", action="store_true", help="also our launcher with each of CONFIGS forced")
+    p.add_argument("--child", help="internal: lik_plugins | peers")
+    a = p.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")]
+    if a.child:
+        child(a.child, sizes, a.profile, a.config_ab)
+        return 0
+    os.makedirs(a.out, exist_ok=True)
+    runs = [] if a.no_peers else [("peers", "default")]
+    runs += [("lik_plugins", v) for v in a.variants.split(",")]
+    rows = []
+    for group, variant in runs:
+        env = {**os.environ, **VARIANTS[variant], "LATENCY_VARIANT": variant}
+        cmd = [sys.executable, __file__, a.out, "--child", group, "--sizes", a.sizes]
+        if a.profile and variant == "default":
+            cmd.append("--profile")
+        if a.config_ab and variant == "default":
+            cmd.append("--config-ab")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+        if proc.returncode:
+            print(f"[latency] {group}/{variant} exited {proc.returncode}: {proc.stderr[-800:]}")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "command": " ".join(["python", *sys.argv]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for pkg in ("late-interaction-kernels", "flash-maxsim"):
+        try:
+            from importlib.metadata import version
+
+            meta[pkg] = version(pkg)
+        except Exception:  # noqa: BLE001
+            meta[pkg] = None
+    with open(os.path.join(a.out, "latency.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [f"# One-query maxsim latency under do_bench ({meta['device']})", "",
+             f"`{meta['command']}` -- {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, "
+             f"late-interaction-kernels {meta['late-interaction-kernels']}, flash-maxsim {meta['flash-maxsim']}", "",
+             "Medians of `triton.testing.do_bench` (L2 cleared before each call). cold: right after the first call; "
+             "settled: after its background work finished. floor = bytes of D / measured copy bandwidth.", "",
+             "| docs | implementation | variant | cold ms | settled ms | floor ms | floor / settled |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['n_docs']} | {r['impl']} | {r['variant']} | {r['cold_ms']:.4f} | {r['settled_ms']:.4f} | "
+                     f"{r['floor_ms']:.4f} | {r['floor_fraction']:.0%} |")
+    with open(os.path.join(a.out, "latency.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    for r in rows:
+        if "timeline_error" in r:
+            print(f"[timeline] {r['impl']} {r['n_docs']}: {r['timeline_error']}")
+        if "timeline" in r:
+            print(f"[timeline] {r['impl']} {r['n_docs']}: {r['timeline']}")
+            print(f"[calls] {r['impl']} {r['n_docs']}: {r['runtime_calls_per_iter']} sync warnings: "
+                  f"{r.get('sync_warnings')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
