@@ -564,7 +564,8 @@ def maxsim_residual_forward(
                                                  nbits).float()
 
         scores, argmax = chunked.forward_built(Q, build, nd, ld, reference.lengths_mask(doc_lengths, ld),
-                                               normalize=normalize, save_argmax=save_argmax)
+                                               normalize_docs=normalize, normalize_queries=normalize,
+                                               save_argmax=save_argmax)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
 
 
@@ -584,7 +585,8 @@ def maxsim_residual_backward(
                                          centroids, bucket_weights, nbits).float()
     if normalize:
         rows = rows * chunked.inverse_norms(rows).unsqueeze(-1)
-    gq, _ = chunked.backward_built(grad, Q, inverse, ok, rows, normalize=normalize, need_q=True, need_rows=False)
+    gq, _ = chunked.backward_built(grad, Q, inverse, ok, rows, normalize_queries=normalize, need_q=True,
+                                   need_rows=False)
     return gq
 
 
@@ -669,8 +671,9 @@ def maxsim_hidden_forward(
     Q: torch.Tensor, H: torch.Tensor, W: torch.Tensor, b: Optional[torch.Tensor], d_mask: Optional[torch.Tensor],
     normalize: bool, save_argmax: bool, entry: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of ``Q [Nq, Lq, d]`` against ``normalize(H @ W.T + b)`` (``H [Nd, Ld, h]``,
-    ``W [d, h]``), and the winners when ``save_argmax``.  The Triton kernel projects each
+    """Scores of ``Q [Nq, Lq, d]`` (as given: ``normalize`` acts on the documents only)
+    against ``normalize(H @ W.T + b)`` (``H [Nd, Ld, h]``, ``W [d, h]``), and the winners
+    when ``save_argmax``.  The Triton kernel projects each
     document tile on chip; the chunked path projects a bounded chunk of documents at a time."""
     path = _path(Q, "hidden", entry, Q.shape[-1])
     nd, ld = H.shape[0], H.shape[1]
@@ -681,7 +684,8 @@ def maxsim_hidden_forward(
                                         save_argmax=save_argmax, doc_format=fmt)
     else:
         scores, argmax = chunked.forward_built(Q, lambda i, j: _project_hidden(H[i:j], W, b), nd, ld, d_mask,
-                                               normalize=normalize, save_argmax=save_argmax)
+                                               normalize_docs=normalize, normalize_queries=False,
+                                               save_argmax=save_argmax)
     return scores, (argmax if argmax is not None else _no_tensor(Q, torch.int16))
 
 
@@ -712,25 +716,27 @@ def maxsim_hidden_backward(
         launch = implementation("triton").maxsim
         h_rows = H.reshape(-1, hidden)
         rows = _project_hidden(h_rows, W, b)                                    # [Nd*Ld, d] fp32
-        # the kernel's backward normalises both sides itself (its Jacobian included), so
-        # g_rows comes out with respect to the projected rows directly
-        gq, g_rows = launch.backward(grad, Q, rows.to(Q.dtype).view(nd, ld, -1), argmax, cross=True,
-                                     normalize=normalize, need_q=need_q, need_d=need_rows, strategy="lowmem",
-                                     q_masked=False)
-        g_rows = g_rows.reshape(rows.shape).to(rows.dtype) if need_rows else None
+        # the documents as scored (normalised in fp32, then Q's dtype) through the dense
+        # kernels' backward without normalisation: the queries were not normalised; the
+        # documents' Jacobian follows in fp32 below
+        inv = chunked.inverse_norms(rows) if normalize else None
+        rows_hat = rows * inv.unsqueeze(-1) if normalize else rows
+        gq, g_hat = launch.backward(grad, Q, rows_hat.to(Q.dtype).view(nd, ld, -1), argmax, cross=True,
+                                    normalize=False, need_q=need_q, need_d=need_rows, strategy="lowmem",
+                                    q_masked=False)
+        g_hat = g_hat.reshape(rows.shape).to(rows.dtype) if need_rows else None
     else:
         positions, inverse, ok = chunked.winner_positions(argmax, ld)
         h_rows = H.reshape(-1, hidden)[positions]
         rows = _project_hidden(h_rows, W, b)                                    # [U, d] fp32
         inv = chunked.inverse_norms(rows) if normalize else None
         rows_hat = rows * inv.unsqueeze(-1) if normalize else rows
-        gq, g_hat = chunked.backward_built(grad, Q, inverse, ok, rows_hat, normalize=normalize, need_q=need_q,
+        gq, g_hat = chunked.backward_built(grad, Q, inverse, ok, rows_hat, normalize_queries=False, need_q=need_q,
                                            need_rows=need_rows)
     grads = [gq if need_q else _no_tensor(Q), _no_tensor(Q), _no_tensor(Q), _no_tensor(Q)]
     if need_rows:
         # through the normalisation, then the affine map: d rows = g_rows, dW = g^T h, db = sum g
-        if not dense:
-            g_rows = chunked.project_out_norm(g_hat, rows, inv) if normalize else g_hat
+        g_rows = chunked.project_out_norm(g_hat, rows, inv) if normalize else g_hat
         split = _split_gradient(g_rows, H, W)
         if need_h:
             # with the split, straight into bf16 (fp32 sums inside the GEMM, one rounding): no

@@ -120,7 +120,9 @@ def maxsim_from_hidden(
 ) -> torch.Tensor:
     """MaxSim against documents given as hidden states: ``D = normalize(H_d @ W.T + b)`` is
     computed tile by tile inside the scoring kernel (the projection head of a ColBERT model
-    fused into its scoring), never written to memory.
+    fused into its scoring), never written to memory.  ``Q`` is scored as given, as
+    late-interaction-kernels' ``maxsim_from_hidden`` does: pass the model's (normalised)
+    query embeddings.
 
     Args:
         Q: ``[Nq, Lq, d]`` query token embeddings.
@@ -128,7 +130,8 @@ def maxsim_from_hidden(
         W: ``[d, h]`` projection (``nn.Linear(h, d).weight``); ``b``: ``[d]`` or None.
         d_mask: ``[Nd, Ld]`` bool or 0/1, non-zero = valid (excluded otherwise; a document
             with no valid token scores 0).
-        normalize: L2-normalise the query tokens and the projected document tokens.
+        normalize: L2-normalise the projected document tokens (the documents only; the
+            gradient into ``Q`` has no normalisation Jacobian).
 
     Returns:
         ``[Nq, Nd]`` float32 (float64 for float64 inputs).  Gradients flow into whichever of

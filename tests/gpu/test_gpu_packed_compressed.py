@@ -402,14 +402,12 @@ def test_maxsim_from_hidden(dtype, bias, normalize, d, hidden):
     leaves = [t.detach().double().requires_grad_() for t in inputs]
     Q64, H64, W64 = leaves[:3]
     docs = F.linear(H64, W64, leaves[3] if bias else None)
-    q = Q64
-    if normalize:
+    if normalize:                                    # the documents only (late-interaction-kernels' meaning)
         docs = F.normalize(docs, dim=-1, eps=reference.NORM_EPS)
-        q = F.normalize(Q64, dim=-1, eps=reference.NORM_EPS)
     # the kernel rounds the projected tokens to Q's dtype for the product (values only:
     # its backward projects the winners again in fp32)
     docs = docs + (docs.to(dtype).double() - docs).detach()
-    want = reference.maxsim(q, docs, None, dm)
+    want = reference.maxsim(Q64, docs, None, dm)
     assert out.dtype == torch.float32 and rel_err(out, want) < TOL[dtype][0]
     assert not out[:, 1].any()
     w = torch.randn(out.shape, generator=g, device=DEVICE, dtype=torch.float64)

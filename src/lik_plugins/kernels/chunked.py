@@ -218,24 +218,30 @@ def smooth_backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need
 # through a projection head -- are built chunk by chunk (never the whole corpus at once) and
 # scored like float tokens; the backward rebuilds only the tokens that won a max.
 
-def forward_built(Q, build, n_docs, ld, d_mask, *, normalize, save_argmax):
+def forward_built(Q, build, n_docs, ld, d_mask, *, normalize_docs, normalize_queries, save_argmax):
     """Cross-product scores of ``Q [Nq, Lq, d]`` against ``n_docs`` documents of ``ld`` tokens,
     ``build(start, stop) -> [stop - start, ld, d]`` fp32 (unnormalised) making them a chunk
-    at a time.  Each built token is normalised in fp32 (``normalize``) and rounded to
-    ``Q``'s dtype, as the Triton kernel does.  Returns (scores, argmax or None)."""
+    at a time.  Each built token is normalised in fp32 (``normalize_docs``) and rounded to
+    ``Q``'s dtype, as the Triton kernel does; the queries are normalised only with
+    ``normalize_queries`` (the residual ops normalise both sides, the projection head the
+    documents only).  Returns (scores, argmax or None)."""
     nq, lq, dim = Q.shape
     out_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
     scores = torch.empty((nq, n_docs), dtype=out_dtype, device=Q.device)
     argmax = torch.empty((nq, n_docs, lq), dtype=argmax_dtype(ld), device=Q.device) if save_argmax else None
+    doc_dtype = Q.dtype
+    if normalize_queries:
+        # once for every chunk, in the compute dtype, as forward() would scale each chunk
+        Q = _scaled(Q, inverse_norms(Q), _compute_dtype(Q.dtype))
     step = _rows_per_chunk(ld * max(dim, 1), n_docs)
     for start in range(0, n_docs, step):
         stop = min(n_docs, start + step)
         docs = build(start, stop)
-        if normalize:
+        if normalize_docs:
             docs = docs * inverse_norms(docs).unsqueeze(-1)
         dm = None if d_mask is None else d_mask[start:stop]
-        part, arg = forward(Q, docs.to(Q.dtype), None, dm, cross=True, normalize=normalize, zero_mode=False,
-                            save_argmax=save_argmax)
+        part, arg = forward(Q, docs.to(doc_dtype), None, dm, cross=True, normalize=False,
+                            zero_mode=False, save_argmax=save_argmax)
         scores[:, start:stop] = part
         if argmax is not None:
             argmax[:, start:stop] = arg
@@ -255,15 +261,16 @@ def winner_positions(argmax: torch.Tensor, ld: int):
     return positions, full_inverse, ok
 
 
-def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize, need_q, need_rows):
+def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize_queries, need_q, need_rows):
     """Gradients of cross-product scores through the winners, for documents whose winning
-    tokens ``rows_hat [U, d]`` (fp32, normalised when ``normalize``; one per entry of
-    :func:`winner_positions`' ``positions``, whose ``inverse`` and ``ok`` come along) were
-    rebuilt.  Returns ``(grad_Q or None, grad_rows_hat [U, d] or None)``: the gradient at
-    each distinct winning token."""
+    tokens ``rows_hat [U, d]`` (fp32, as scored: normalised by the caller where the op
+    normalises documents; one per entry of :func:`winner_positions`' ``positions``, whose
+    ``inverse`` and ``ok`` come along) were rebuilt.  ``normalize_queries``: the forward
+    normalised ``Q`` (its Jacobian is applied here).  Returns ``(grad_Q or None,
+    grad_rows_hat [U, d] or None)``: the gradient at each distinct winning token."""
     nq, lq, dim = Q.shape
     cdt = torch.float64 if Q.dtype == torch.float64 else torch.float32
-    rq = inverse_norms(Q) if normalize else None
+    rq = inverse_norms(Q) if normalize_queries else None
     gq = torch.zeros((nq, lq, dim), dtype=cdt, device=Q.device) if need_q else None
     g_rows = torch.zeros((rows_hat.shape[0], dim), dtype=cdt, device=Q.device) if need_rows else None
     rows_hat = rows_hat.to(cdt)
@@ -282,7 +289,7 @@ def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize, need_q, need_ro
             g_rows.index_add_(0, inv.reshape(-1), contrib.reshape(-1, dim))
     grad_q = None
     if need_q:
-        if normalize:
+        if normalize_queries:
             gq = project_out_norm(gq, Q.to(cdt), rq.to(cdt))
         grad_q = gq.to(Q.dtype)
     return grad_q, g_rows

@@ -257,7 +257,9 @@ def lengths_mask(doc_lengths: torch.Tensor, ld: int) -> torch.Tensor:
 def maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits, *, normalize=True):
     """Reference of :func:`lik_plugins.plaid.maxsim_residual`: MaxSim of ``Q [Nq, Lq, d]``
     against the decompressed documents ``[Nd, Ld, d]`` (tokens past ``doc_lengths`` excluded),
-    the documents cast to ``Q``'s dtype as a float index would be."""
+    the documents cast to ``Q``'s dtype as a float index would be.  ``normalize``
+    L2-normalises both the queries and the decompressed tokens, as late-interaction-kernels
+    0.4.5's ``maxsim_residual`` does (unlike :func:`maxsim_from_hidden`'s documents-only)."""
     valid = lengths_mask(doc_lengths, codes.shape[1])
     # padding may hold any code: only valid tokens are looked up
     D = decompress_residual(torch.where(valid, codes, torch.zeros_like(codes)), residuals, centroids,
@@ -312,9 +314,11 @@ def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
 # ----------------------------------------------------------------------------- projection head
 def maxsim_from_hidden(Q, H_d, W, b=None, d_mask=None, *, normalize=True):
     """Reference of :func:`lik_plugins.maxsim_from_hidden`: ``D = H_d @ W.T (+ b)``, then
-    MaxSim (``normalize``: both sides L2-normalised), masked document tokens excluded."""
-    D = F.linear(H_d, W, b)
-    return maxsim(Q, D, None, d_mask, normalize=normalize)
+    MaxSim, masked document tokens excluded.  ``normalize`` L2-normalises the projected
+    document tokens only; the queries are used as given (late-interaction-kernels 0.4.5's
+    meaning of the same name: its queries come out of the model's own head, normalised)."""
+    D = _maybe_normalize(F.linear(H_d, W, b), normalize)
+    return maxsim(Q, D, None, d_mask)
 
 
 # ------------------------------------------------------------------ packed (varlen) layouts

@@ -397,6 +397,7 @@ def maxsim_fwd_kernel(
     # NORMALIZE: scale similarities by per-token factors RQ [n_q, lq] and RD (per document
     # token): inverse norms, or the fp8 path's dequantisation scales.  Both are > 0, so
     # the query factor commutes with the max; the document factor cannot and goes first.
+    # (HIDDEN: documents only, RQ unread; RESIDUAL / HIDDEN normalise in _doc_tile, RD unread.)
     NORMALIZE: tl.constexpr, SAVE_ARG: tl.constexpr,
     ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
@@ -425,6 +426,9 @@ def maxsim_fwd_kernel(
     N_HIDDEN: tl.constexpr = 0, EVEN_DIM: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
+    # the projection head's NORMALIZE acts on the documents only (late-interaction-kernels'
+    # meaning of maxsim_from_hidden's ``normalize``): its queries are scored as given
+    SCALE_Q: tl.constexpr = NORMALIZE and DOC_FORMAT != HIDDEN
     if DOC_FORMAT == HIDDEN:
         # The projection's sizes as compile-time constants (a model's are fixed): its K loop
         # gets a known trip count, and with the embedding dim known to fill the tile no load
@@ -527,7 +531,7 @@ def maxsim_fwd_kernel(
             HAS_DM, ZERO_MODE, NORMALIZE, SAVE_ARG, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION, RUNNING_MAX,
             TAIL_N, DOC_FORMAT, NBITS, BLOCK_H, HAS_BIAS,
         )
-        if NORMALIZE:
+        if SCALE_Q:
             if QUANT_Q:
                 b_rq = b_qscale
             else:
@@ -535,4 +539,4 @@ def maxsim_fwd_kernel(
         else:
             b_rq = b_max   # unused
         _store_document(b_max, b_arg, b_floor, b_rq, m_keep, m_store, q_idx, t_idx, i_qb, i_chunk, i_j, OUT, ARG,
-                        n_q, n_j, lq, NORMALIZE, SAVE_ARG, ROWS_PER_Q, QPB)
+                        n_q, n_j, lq, SCALE_Q, SAVE_ARG, ROWS_PER_Q, QPB)

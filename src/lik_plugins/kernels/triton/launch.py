@@ -417,6 +417,11 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     return _ForwardPlan(kernel, grid, ints, meta, out_shape, n_chunks, arg_dtype, False, aux_ints), after_launch
 
 
+def _documents_only(doc_format: DocFormat | None) -> bool:
+    # the projection head's ``normalize`` leaves the queries as given (the kernel's SCALE_Q)
+    return doc_format is not None and doc_format.kind == HIDDEN
+
+
 def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, scales=None,
             doc_format: DocFormat | None = None, d_lengths: torch.Tensor | None = None):
     """Scores (and the argmax when ``save_argmax``).  ``scales = (q_scales [Nq, Lq],
@@ -426,7 +431,8 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     ``Q`` and e4m3 ``D``: the kernel quantises the query rows itself (``QUANT_Q``; the
     embedding dim must be at most 256), with the numbers of a separate quantisation.
     ``doc_format``: documents that are not float tokens (:class:`DocFormat`); residual and
-    hidden documents are normalised inside the kernel when ``normalize``.  ``d_lengths``
+    hidden documents are normalised inside the kernel when ``normalize`` (hidden: the
+    documents only, the queries scored as given).  ``d_lengths``
     (instead of ``d_mask``; padded documents, ``zero_mode`` off): int32 tokens per document
     (``[Nd]`` in the cross product, ``[Nq, K]`` per query), the tokens past it excluded."""
     device = Q.device
@@ -440,7 +446,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
         rq, rd = scales
         rq = placeholder if rq is None else rq
     else:
-        rq = inverse_norms(Q) if normalize else placeholder
+        rq = inverse_norms(Q) if normalize and not _documents_only(doc_format) else placeholder
         rd = inverse_norms(D) if normalize and not built else placeholder
     scaled = bool(normalize) or scales is not None
     has_qm, has_dm = q_mask is not None, d_mask is not None
@@ -778,7 +784,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     else:
         placeholder = _placeholder(device, torch.float32)
         qm, dm = _mask_bytes(q_mask, device), _mask_bytes(d_mask, device)
-        rq = inverse_norms(Q) if normalize else placeholder
+        rq = inverse_norms(Q) if normalize and not _documents_only(doc_format) else placeholder
         rd = inverse_norms(D) if normalize and not built else placeholder
         index = _placeholder(device, torch.int32)
         pair_q, pair_d = pairs if pairs is not None else (index, index)
