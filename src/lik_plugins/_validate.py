@@ -107,7 +107,7 @@ def check_offsets_shape(name: str, cu: torch.Tensor, packed_rows: int) -> None:
         raise ValueError(f"{name}: {packed_rows} packed tokens do not fit int32 offsets")
 
 
-def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen, max_name: str):
+def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen):
     """Checks of ``cu_seqlens`` against its packed tensor of ``packed_rows`` tokens: starts
     at 0, ends at ``packed_rows``, never decreases, and no sequence is longer than
     ``max_seqlen``.  Returns ``(ok, longest)`` as 0-d device tensors (no host sync here)."""
@@ -125,27 +125,82 @@ def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen, max
     return ok, longest
 
 
-def settle_checks(checks: list, on_host: bool) -> list | None:
-    """Settle device-side checks ``[(ok, longest or None, message)]`` (0-d tensors).
-    ``on_host``: one host read (one sync) settles them all with a ``ValueError`` and returns
-    each check's ``longest`` as an int; otherwise each is asserted on the device (no sync)
-    and None is returned."""
-    if not on_host:
-        for ok, _, message in checks:
-            torch._assert_async(ok, message)
-        return None
-    values = torch.stack([torch.stack([ok.to(torch.int64), (longest if longest is not None else ok).to(torch.int64)])
-                          for ok, longest, _ in checks]).tolist()
-    for (ok, _), (_, _, message) in zip(values, checks):
-        if not ok:
-            raise ValueError(message)
-    return [longest for _, longest in values]
+def _first(flags: torch.Tensor) -> int | None:
+    hits = flags.nonzero()
+    return int(hits[0]) if hits.numel() else None
 
 
-def offsets_message(name: str, packed_rows: int, max_seqlen, max_name: str) -> str:
+def offsets_problems(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen=None,
+                     max_name: str = "max_seqlen") -> list[str]:
+    """Every rule of the offsets that ``cu`` breaks, each with its first offending index
+    (empty when it breaks none).  Reads ``cu`` on the host: for the error path, or where
+    the offsets already are on the host."""
+    if cu.numel() == 0:
+        return [f"{name} must hold at least one offset (0), got an empty tensor"]
+    cu = cu.detach().to("cpu", torch.int64)
+    problems = []
+    if cu[0] != 0:
+        problems.append(f"{name}[0] = {int(cu[0])}: offsets must start at 0")
+    past = _first(cu > packed_rows)
+    if past is not None:
+        problems.append(f"{name}[{past}] = {int(cu[past])} is past the packed length {packed_rows}: no offset may "
+                        f"exceed the packed length")
+    elif cu[-1] != packed_rows:
+        problems.append(f"{name}[{cu.numel() - 1}] = {int(cu[-1])} (the last offset): offsets must end at the "
+                        f"packed length {packed_rows}")
+    lengths = cu[1:] - cu[:-1]
+    down = _first(lengths < 0)
+    if down is not None:
+        problems.append(f"{name}[{down + 1}] = {int(cu[down + 1])} is below {name}[{down}] = {int(cu[down])}: "
+                        f"offsets must never decrease")
+    if max_seqlen is not None:
+        long = _first(lengths > max_seqlen)
+        if long is not None:
+            problems.append(f"sequence {long} ({name}[{long}:{long + 2}] = {int(cu[long])}, {int(cu[long + 1])}) has "
+                            f"{int(lengths[long])} tokens: no sequence may be longer than {max_name}={max_seqlen} "
+                            f"(a bound below the longest sequence is an error, never a truncation)")
+    return problems
+
+
+def index_problems(name: str, idx: torch.Tensor, bound: int, bound_name: str) -> list[str]:
+    """The first entry of ``idx`` outside ``[0, bound)``, as a message (host read)."""
+    idx = idx.detach().to("cpu", torch.int64)
+    bad = _first((idx < 0) | (idx >= bound))
+    if bad is None:
+        return []
+    return [f"{name}[{bad}] = {int(idx[bad])}: pair indices must lie in [0, {bound_name}={bound})"]
+
+
+def offsets_rule(name: str, packed_rows: int, max_seqlen, max_name: str) -> str:
+    """The whole rule in one sentence: the message of a check asserted on the device, where
+    the offending index cannot be read without a host sync."""
     bound = "" if max_seqlen is None else f", and no sequence may be longer than {max_name}={max_seqlen}"
     return (f"{name} must start at 0, end at the packed length {packed_rows}, never decrease{bound} "
-            f"(a {max_name} smaller than the longest sequence is an error, never a truncation)")
+            f"(the error names the broken rule and its index when the offsets are checked on the host: "
+            f"on the CPU outside torch.compile, or with {max_name} omitted)")
+
+
+def settle_checks(checks: list, bounds_given: bool) -> list | None:
+    """Settle the checks ``[(ok, longest or None, explain, rule)]``: ``ok`` and ``longest``
+    0-d device tensors, ``explain()`` the list of broken rules with their indices (called
+    only when ``ok`` fails), ``rule`` the one-sentence rule.
+
+    On the host -- when a bound is missing (it must be read anyway: one sync), or when the
+    tensors are on the CPU outside ``torch.compile`` (reading them costs nothing) -- every
+    failure is a ``ValueError`` from ``explain()``, whatever the arguments, and each check's
+    ``longest`` comes back as an int.  Otherwise (an accelerator with both bounds given, or a
+    compiled graph) each check is asserted on the device (no sync) and None is returned."""
+    device = checks[0][0].device
+    if bounds_given and (device.type != "cpu" or torch.compiler.is_compiling()):
+        for ok, _, _, rule in checks:
+            torch._assert_async(ok, rule)
+        return None
+    values = torch.stack([torch.stack([ok.to(torch.int64), (longest if longest is not None else ok).to(torch.int64)])
+                          for ok, longest, _, _ in checks]).tolist()
+    for (ok, _), (_, _, explain, rule) in zip(values, checks):
+        if not ok:
+            raise ValueError("; ".join(explain()) or rule)
+    return [longest for _, longest in values]
 
 
 def check_max_seqlen(name: str, value) -> int | None:

@@ -14,13 +14,18 @@ Offsets (the rule every packed op applies):
   checked first, and a packed tensor of more than 2**31 - 1 tokens is refused), starts
   at 0, ends at the packed tensor's length and never decreases.  A sequence of length 0
   is allowed anywhere (an empty document scores 0).
-* ``max_seqlen_*`` are loop bounds.  Omitted, they are read from the offsets with one
-  host synchronisation, which also checks the offsets and raises ``ValueError``.  Given,
-  nothing synchronises: the checks run on the device (``torch._assert_async``) and a
-  bound smaller than the longest sequence is an **error, never a truncation** -- a
-  ``RuntimeError`` with the message on CPU, a device-side assertion on CUDA (which
-  stops the process's CUDA context, as any device assert).  Under ``torch.compile``
-  pass them: reading them from the offsets is a data-dependent host read.
+* ``max_seqlen_*`` are loop bounds; a bound smaller than the longest sequence is an
+  **error, never a truncation**.  Omitted, they are read from the offsets with one host
+  synchronisation.
+* A broken rule is a ``ValueError`` that names the rule and the first offending index
+  (``cu_seqlens_d[2] = 7 is below cu_seqlens_d[1] = 8: offsets must never decrease``),
+  with or without the bounds, wherever the offsets can be read without a cost: on the
+  CPU, or on a GPU when a bound is omitted (that read happens anyway).  On a GPU with
+  both bounds given nothing synchronises: the checks are a device-side assertion, which
+  stops the process's CUDA context as any device assert does and cannot say which rule
+  broke -- omit the bounds, or run the same call on CPU tensors, to have it named.  Under
+  ``torch.compile`` pass the bounds (reading them from the offsets is a data-dependent
+  host read); the checks are then asserted in the graph (a ``RuntimeError`` on CPU).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import torch
 from . import _routing, library
 from ._validate import (
     check_index_tensor, check_mask, check_max_seqlen, check_offsets, check_offsets_shape, check_options, check_tensor,
-    offsets_message, settle_checks,
+    index_problems, offsets_problems, offsets_rule, settle_checks,
 )
 from .kernels import reference
 from .kernels.dispatch import served_by
@@ -151,7 +156,8 @@ def _packed(entry, Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, q_mask, d_mas
         # (CUDA reports a failed device assert without its message, and the message must
         # be short: the offsets rule is in this module's docstring)
         torch._assert_async(packed_inputs_ok(cu_q, Q.shape[0], max_q, cu_d, D.shape[0], max_d, pair_q, pair_d),
-                            "packed offsets, max_seqlen or pair indices break lik_plugins.packed's rule")
+                            "packed offsets, max_seqlen or pair indices break lik_plugins.packed's rule "
+                            "(omit max_seqlen_q/_d to have the rule and its index named)")
     else:
         max_q, max_d = _check_on_device(cu_q, cu_d, pair_q, pair_d, Q.shape[0], D.shape[0], max_q, max_d)
     cu_q, cu_d = cu_q.to(torch.int32), cu_d.to(torch.int32)
@@ -175,19 +181,24 @@ def _packed(entry, Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, q_mask, d_mas
 
 def _check_on_device(cu_q, cu_d, pair_q, pair_d, rows_q, rows_d, max_q, max_d):
     """The offsets rule (module docstring) and the pair indices' range, as torch ops on the
-    offsets' device; returns the bounds.  A missing bound is read from the offsets with one
-    host sync, which settles every check with a ``ValueError``; with both bounds given the
-    checks are asserted on the device (no sync)."""
-    checks = [  # (ok, longest, what it checks), all on the device
-        (*check_offsets("cu_seqlens_q", cu_q, rows_q, max_q, "max_seqlen_q"),
-         offsets_message("cu_seqlens_q", rows_q, max_q, "max_seqlen_q")),
-        (*check_offsets("cu_seqlens_d", cu_d, rows_d, max_d, "max_seqlen_d"),
-         offsets_message("cu_seqlens_d", rows_d, max_d, "max_seqlen_d")),
+    offsets' device; returns the bounds.  ``_validate.settle_checks`` settles them: on the
+    host (a missing bound, or CPU tensors) with a ``ValueError`` naming the broken rule and
+    its index, else asserted on the device (no sync)."""
+    checks = [  # (ok, longest, the broken rules with their indices, the rule), ok and longest on the device
+        (*check_offsets("cu_seqlens_q", cu_q, rows_q, max_q),
+         lambda: offsets_problems("cu_seqlens_q", cu_q, rows_q, max_q, "max_seqlen_q"),
+         offsets_rule("cu_seqlens_q", rows_q, max_q, "max_seqlen_q")),
+        (*check_offsets("cu_seqlens_d", cu_d, rows_d, max_d),
+         lambda: offsets_problems("cu_seqlens_d", cu_d, rows_d, max_d, "max_seqlen_d"),
+         offsets_rule("cu_seqlens_d", rows_d, max_d, "max_seqlen_d")),
     ]
     if pair_q is not None:
-        checks.append((_pairs_in_range(cu_q, cu_d, pair_q, pair_d), None, _pairs_message(cu_q, cu_d)))
-    # a missing bound: one host read settles the bounds and every check, with clear Python errors
-    longest = settle_checks(checks, on_host=max_q is None or max_d is None)
+        nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
+        checks.append((_pairs_in_range(cu_q, cu_d, pair_q, pair_d), None,
+                       lambda: index_problems("pair_q_idx", pair_q, nq, "Nq") + index_problems("pair_d_idx", pair_d,
+                                                                                             nd, "Nd"),
+                       f"pair indices must lie in [0, Nq={nq}) and [0, Nd={nd})"))
+    longest = settle_checks(checks, bounds_given=max_q is not None and max_d is not None)
     if longest is not None:
         max_q = longest[0] if max_q is None else max_q
         max_d = longest[1] if max_d is None else max_d
@@ -197,11 +208,6 @@ def _check_on_device(cu_q, cu_d, pair_q, pair_d, rows_q, rows_d, max_q, max_d):
 def _pairs_in_range(cu_q, cu_d, pair_q, pair_d):
     nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
     return ((pair_q >= 0) & (pair_q < nq)).all() & ((pair_d >= 0) & (pair_d < nd)).all()
-
-
-def _pairs_message(cu_q, cu_d):
-    return f"pair indices must lie in [0, Nq={cu_q.numel() - 1}) and [0, Nd={cu_d.numel() - 1})"
-
 
 
 def maxsim_padded(
@@ -298,8 +304,8 @@ def pack(sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
 def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """The sequences of a packed tensor, as views ``packed[cu[i]:cu[i+1]]`` (one host read
     of the offsets)."""
+    problems = offsets_problems("cu_seqlens", cu_seqlens, packed.shape[0])
+    if problems:
+        raise ValueError("; ".join(problems))
     bounds = [int(x) for x in cu_seqlens.tolist()]
-    if not bounds or bounds[0] != 0 or bounds[-1] != packed.shape[0] or any(
-            b > a for a, b in zip(bounds[1:], bounds[:-1])):
-        raise ValueError(offsets_message("cu_seqlens", packed.shape[0], None, "max_seqlen"))
     return [packed[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

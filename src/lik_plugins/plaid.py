@@ -31,7 +31,7 @@ import torch
 
 from . import _routing, library
 from ._config import disabled, forced_backend
-from ._validate import check_max_seqlen, check_offsets, check_tensor, offsets_message, settle_checks
+from ._validate import check_max_seqlen, check_offsets, check_tensor, offsets_problems, offsets_rule, settle_checks
 from .kernels import reference
 from .kernels.reference import PLAID_NBITS, residual_bytes
 
@@ -230,9 +230,9 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
     ``cu_seqlens_d[j] .. cu_seqlens_d[j + 1]`` of ``codes_flat [N]`` / ``residuals_flat [N, R]``.
 
     ``max_seqlen_d``: the longest document; omitted, it is read from ``cu_seqlens_d`` (one
-    host sync, which also checks the offsets with a ``ValueError``); given, the offsets and
-    the bound are checked on the device (``torch._assert_async``): a bound below the longest
-    document is an error, never a truncation.  Without a gradient the Triton kernel reads
+    host sync).  Offsets and bound follow :mod:`lik_plugins.packed`'s rule: a broken rule is a
+    ``ValueError`` naming it and its index (on a GPU with the bound given, a device-side
+    assertion); a bound below the longest document is an error, never a truncation.  Without a gradient the Triton kernel reads
     the packed tokens in place (no copy); when ``Q`` needs a gradient, and off the Triton
     path, the compressed tokens are first gathered into a padded layout (a copy of these
     documents' compressed bytes -- about 1/8 of a bf16 index at nbits 2 -- never the
@@ -253,9 +253,10 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
     max_seqlen_d = check_max_seqlen("max_seqlen_d", max_seqlen_d)
     cu = cu_seqlens_d.to(codes_flat.device)
     n_tokens = codes_flat.shape[0]
-    check = (*check_offsets("cu_seqlens_d", cu, n_tokens, max_seqlen_d, "max_seqlen_d"),
-             offsets_message("cu_seqlens_d", n_tokens, max_seqlen_d, "max_seqlen_d"))
-    longest = settle_checks([check], on_host=max_seqlen_d is None)      # no bound given: one host sync
+    check = (*check_offsets("cu_seqlens_d", cu, n_tokens, max_seqlen_d),
+             lambda: offsets_problems("cu_seqlens_d", cu, n_tokens, max_seqlen_d, "max_seqlen_d"),
+             offsets_rule("cu_seqlens_d", n_tokens, max_seqlen_d, "max_seqlen_d"))
+    longest = settle_checks([check], bounds_given=max_seqlen_d is not None)  # no bound given: one host sync
     if longest is not None:
         max_seqlen_d = longest[0]
     wants_grad = isinstance(Q, torch.Tensor) and Q.requires_grad and torch.is_grad_enabled()

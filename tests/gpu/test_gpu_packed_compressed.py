@@ -247,10 +247,10 @@ def test_offsets_that_do_not_match_the_packed_tensor_are_errors():
     for message, offsets in bad.items():
         with pytest.raises(ValueError, match=message):
             lik.maxsim_varlen(Qp, Dp, cu_q, torch.tensor(offsets, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="end at the packed length 14"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[2\] = 15 is past the packed length 14"):
         lik.score_pairs_packed(Qp, Dp, torch.tensor([0, 5, 15], device=DEVICE), cu_d,
                                torch.tensor([0], device=DEVICE), torch.tensor([0], device=DEVICE))
-    with pytest.raises(ValueError, match="pair indices"):
+    with pytest.raises(ValueError, match=r"pair_q_idx\[1\] = 2: pair indices must lie in \[0, Nq=2\)"):
         lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, torch.tensor([0, 2], device=DEVICE),
                                torch.tensor([0, 1], device=DEVICE))
 

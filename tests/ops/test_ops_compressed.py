@@ -236,17 +236,21 @@ def test_residual_varlen_rejects_bad_offsets(gen):
     n = flat_c.shape[0]
     Q = torch.randn(1, 4, 32, generator=gen)
     bad = torch.tensor([0, 5, 3, n], dtype=torch.int32)                  # decreasing
-    with pytest.raises(ValueError, match="never decrease"):
-        lik.maxsim_residual_varlen(Q, flat_c, flat_r, bad, centroids, weights, 2)
+    for bound in (None, 9):           # one exception type, with or without the bound
+        with pytest.raises(ValueError, match=r"cu_seqlens_d\[2\] = 3 is below cu_seqlens_d\[1\] = 5: offsets must "
+                                             r"never decrease"):
+            lik.maxsim_residual_varlen(Q, flat_c, flat_r, bad, centroids, weights, 2, max_seqlen_d=bound)
     short = torch.tensor([0, 1, 2, n - 1], dtype=torch.int32)           # does not end at N
-    with pytest.raises(ValueError, match="end at the packed length"):
+    with pytest.raises(ValueError, match=rf"cu_seqlens_d\[3\] = {n - 1} \(the last offset\): offsets must end at "
+                                         rf"the packed length {n}"):
         lik.maxsim_residual_varlen(Q, flat_c, flat_r, short, centroids, weights, 2)
     cu = torch.zeros(4, dtype=torch.int32)
     cu[1:] = lengths.cumsum(0)
-    # a bound below the longest document is an error (asserted on the device), never a truncation
-    with pytest.raises(RuntimeError, match="max_seqlen_d"):
-        lik.maxsim_residual_varlen(Q, flat_c, flat_r, cu, centroids, weights, 2,
-                                   max_seqlen_d=int(lengths.max()) - 1)
+    # a bound below the longest document is an error, never a truncation
+    longest = int(lengths.max())
+    with pytest.raises(ValueError, match=rf"sequence {int(lengths.argmax())} .* has {longest} tokens: no sequence may "
+                                         rf"be longer than max_seqlen_d={longest - 1}"):
+        lik.maxsim_residual_varlen(Q, flat_c, flat_r, cu, centroids, weights, 2, max_seqlen_d=longest - 1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

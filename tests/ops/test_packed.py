@@ -185,36 +185,68 @@ def test_int64_offsets_are_accepted_and_converted(gen):
         lik.maxsim_varlen(Qp, Dp, cu_q.to(torch.int16), cu_d)
 
 
-@pytest.mark.parametrize("bounds", [False, True], ids=["host-checked", "device-checked"])
-def test_bad_offsets_are_errors(gen, bounds):
+@pytest.mark.parametrize("bounds", [False, True], ids=["bounds-omitted", "bounds-given"])
+def test_bad_offsets_name_the_rule_and_the_index(gen, bounds):
+    # one exception type per mistake whether or not the bounds are given (CPU tensors: the
+    # offsets are read on the host either way)
     Qp, cu_q, mq = lik.pack(_ragged(gen, (3, 4)))
-    Dp, cu_d, md = lik.pack(_ragged(gen, (5, 2, 6)))
-    err = (RuntimeError, ValueError)
+    Dp, cu_d, md = lik.pack(_ragged(gen, (5, 2, 6)))             # packed length 13
     kw = dict(max_seqlen_q=mq, max_seqlen_d=md) if bounds else {}
-    short = torch.tensor([0, 5, 7, 12])                   # ends before the packed length 13
-    with pytest.raises(err, match="end at the packed length 13"):
-        lik.maxsim_varlen(Qp, Dp, cu_q, short, *kw.values())
-    with pytest.raises(err, match="start at 0"):
-        lik.maxsim_varlen(Qp, Dp, cu_q, torch.tensor([1, 5, 7, 13]), *kw.values())
-    with pytest.raises(err, match="never decrease"):
-        lik.maxsim_varlen(Qp, Dp, cu_q, torch.tensor([0, 8, 7, 13]), *kw.values())
-    with pytest.raises(err, match="pair indices"):
-        lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, torch.tensor([0, 2]), torch.tensor([0, 1]),
-                               max_seqlen_q=kw.get("max_seqlen_q"), max_seqlen_d=kw.get("max_seqlen_d"))
+    cases = {
+        (0, 5, 7, 12): r"cu_seqlens_d\[3\] = 12 \(the last offset\): offsets must end at the packed length 13",
+        (1, 5, 7, 13): r"cu_seqlens_d\[0\] = 1: offsets must start at 0",
+        (0, 8, 7, 13): r"cu_seqlens_d\[2\] = 7 is below cu_seqlens_d\[1\] = 8: offsets must never decrease",
+        (0, 5, 7, 14): r"cu_seqlens_d\[3\] = 14 is past the packed length 13",
+        (0, 5, 13, 6, 13): r"cu_seqlens_d\[2\] = 13 is past|cu_seqlens_d\[3\] = 6 is below cu_seqlens_d\[2\] = 13",
+    }
+    for offsets, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            lik.maxsim_varlen(Qp, Dp, cu_q, torch.tensor(offsets), **kw)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[0\] = 2: offsets must start at 0"):
+        lik.score_pairs_packed(Qp, Dp, torch.tensor([2, 3, 7]), cu_d, torch.tensor([0]), torch.tensor([0]), **kw)
+    with pytest.raises(ValueError, match=r"pair_q_idx\[1\] = 2: pair indices must lie in \[0, Nq=2\)"):
+        lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, torch.tensor([0, 2]), torch.tensor([0, 1]), **kw)
+    with pytest.raises(ValueError, match=r"pair_d_idx\[2\] = -1: pair indices must lie in \[0, Nd=3\)"):
+        lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, torch.tensor([0, 1, 1]), torch.tensor([0, 2, -1]), **kw)
 
 
-def test_max_seqlen_too_small_is_an_error_not_a_truncation(backend, gen):
+def test_an_offset_past_the_end_and_a_decrease_are_both_named(gen):
+    Qp, cu_q, _ = lik.pack(_ragged(gen, (3,)))
+    Dp, _, _ = lik.pack(_ragged(gen, (5, 2, 6)))
+    with pytest.raises(ValueError) as info:
+        lik.maxsim_varlen(Qp, Dp, cu_q, torch.tensor([0, 20, 7, 13]))
+    message = str(info.value)
+    assert "cu_seqlens_d[1] = 20 is past the packed length 13" in message
+    assert "cu_seqlens_d[2] = 7 is below cu_seqlens_d[1] = 20: offsets must never decrease" in message
+
+
+@pytest.mark.parametrize("int64", [False, True], ids=["int32", "int64"])
+def test_max_seqlen_too_small_is_an_error_not_a_truncation(backend, gen, int64):
     Qp, cu_q, mq = lik.pack(_ragged(gen, (3, 9)))
-    Dp, cu_d, md = lik.pack(_ragged(gen, (5, 11)))
-    with pytest.raises(RuntimeError, match="no sequence may be longer than max_seqlen_q=4"):
+    Dp, cu_d, md = lik.pack(_ragged(gen, (5, 11, 2)))
+    if int64:
+        cu_q, cu_d = cu_q.long(), cu_d.long()
+    with pytest.raises(ValueError, match=r"sequence 1 \(cu_seqlens_q\[1:3\] = 3, 12\) has 9 tokens: no sequence may be "
+                                         r"longer than max_seqlen_q=4"):
         lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, 4, md)
-    with pytest.raises(RuntimeError, match="max_seqlen_d=10"):
+    with pytest.raises(ValueError, match=r"sequence 1 .* has 11 tokens: no sequence may be longer than max_seqlen_d=10"):
         lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq, 10)
-    with pytest.raises(RuntimeError, match="max_seqlen_d=10"):
+    with pytest.raises(ValueError, match="longer than max_seqlen_d=10"):
         lik.score_pairs_packed(Qp, Dp, cu_q, cu_d, torch.tensor([0]), torch.tensor([1]), max_seqlen_q=mq,
                                max_seqlen_d=10)
     # larger bounds than needed are fine and change nothing
     _close(lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, mq + 5, md + 40), lik.maxsim_varlen(Qp, Dp, cu_q, cu_d))
+
+
+def test_offsets_checked_in_a_compiled_graph_are_asserted_with_the_rule(gen, monkeypatch):
+    # inside torch.compile the offsets cannot be read on the host: the check becomes an
+    # assertion in the graph, whose message states the whole rule
+    Qp, cu_q, mq = lik.pack(_ragged(gen, (3, 9)))
+    Dp, cu_d, md = lik.pack(_ragged(gen, (5, 11)))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must start at 0, end at the packed length 12, never "
+                                           "decrease, and no sequence may be longer than max_seqlen_q=4"):
+        lik.maxsim_varlen(Qp, Dp, cu_q, cu_d, 4, md)
 
 
 def test_bad_inputs(gen):
@@ -261,8 +293,11 @@ def test_pack_unpack_round_trip(gen):
         lik.pack([])
     with pytest.raises(ValueError, match="sequence 1"):
         lik.pack([seqs[0], torch.randn(2, 4)])
-    with pytest.raises(ValueError, match="end at the packed length"):
+    with pytest.raises(ValueError, match=r"cu_seqlens\[2\] = 7 \(the last offset\): offsets must end at the packed "
+                                         r"length 8"):
         lik.unpack(packed, torch.tensor([0, 3, 7]))
+    with pytest.raises(ValueError, match=r"cu_seqlens\[2\] = 2 is below cu_seqlens\[1\] = 3"):
+        lik.unpack(packed, torch.tensor([0, 3, 2, 8]))
 
 
 def test_kill_switch_runs_the_reference(monkeypatch, gen):
