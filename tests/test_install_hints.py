@@ -19,22 +19,47 @@ def _hide(monkeypatch, package: str) -> None:
     monkeypatch.setitem(sys.modules, package, None)
 
 
-def test_patch_pylate_without_pylate_names_the_extra(monkeypatch):
+def test_patch_pylate_without_pylate_gives_a_command_that_keeps_torch(monkeypatch):
     lik_plugins.unpatch_pylate()
     _hide(monkeypatch, "pylate")
-    with pytest.raises(ImportError, match=r"pip install 'lik_plugins\[pylate\]'"):
+    with pytest.raises(ImportError) as info:
         lik_plugins.patch_pylate()
+    message = str(info.value)
+    # PyLate's own metadata pulls fast-plaid, which pins one torch: the hint installs the
+    # other dependencies, then PyLate alone
+    assert "pip install --no-deps pylate==1.6.0" in message and "fast-plaid" not in message.split("README")[0]
+    assert "lik_plugins[" not in message and "torch==" not in message
 
 
-def test_patch_colpali_without_colpali_names_the_extra(monkeypatch):
+def test_patch_colpali_without_colpali_gives_a_command_that_keeps_torch(monkeypatch):
     lik_plugins.unpatch_colpali_engine()
     _hide(monkeypatch, "colpali_engine")
-    with pytest.raises(ImportError, match=r"pip install 'lik_plugins\[colpali\]'") as info:
+    with pytest.raises(ImportError) as info:
         lik_plugins.patch_colpali_engine()
+    message = str(info.value)
+    # no torchvision: PyPI's is built for a CUDA torch and breaks a CPU torch's transformers
+    assert "pip install --no-deps colpali-engine==0.3.18" in message and "torchvision" not in message
+    assert "lik_plugins[" not in message
     assert isinstance(info.value.__cause__, ImportError)  # the original error stays attached
     from lik_plugins.colpali import patch
 
     assert not patch.is_patched()
+
+
+def test_readme_install_section_shows_the_hints_commands_before_any_extra():
+    """README "Install" quotes the commands the errors give, verbatim, and explains what the
+    extras do to torch before it shows them."""
+    from pathlib import Path
+
+    from lik_plugins import _install
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Install"):readme.index("\n## ", readme.index("## Install") + 1)]
+    for command in (_install.PYLATE, _install.COLPALI):
+        assert command in section
+    assert "lik_plugins[pylate]" not in readme and "lik_plugins[colpali]" not in readme
+    first_command = section.index("```bash")
+    assert section.index("torch", 0, first_command) < first_command
 
 
 def test_patch_colpali_that_does_not_import_points_at_torchvision(monkeypatch, tmp_path):
@@ -52,4 +77,4 @@ def test_patch_colpali_that_does_not_import_points_at_torchvision(monkeypatch, t
         lik_plugins.patch_colpali_engine()
     message = str(info.value)
     assert "Gemma3Model" in message and "torchvision" in message
-    assert "pip install 'lik_plugins[colpali]'" not in message
+    assert "pip install --no-deps colpali-engine" not in message

@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from .. import _install
 from .._patching import PatchLedger
 from .._routing import record
 from .._config import disabled
@@ -210,7 +211,7 @@ def _packed_multi_vector(queries, passages, batch_size, device):
 
 
 # --------------------------------------------------------------------------- public
-INSTALL_HINT = "patch_colpali_engine() needs colpali-engine (0.3.10 - 0.3.18): pip install 'lik_plugins[colpali]'"
+INSTALL_HINT = _install.missing_host("patch_colpali_engine()", "colpali-engine (0.3.10 - 0.3.18)", _install.COLPALI)
 
 
 def _import_colpali():

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
+from .. import _install
+
 #: The three scoring functions, in every release.
 FUNCTIONS = ("colbert_scores", "colbert_kd_scores", "colbert_scores_pairwise")
 
@@ -91,7 +93,7 @@ def detect() -> PyLateLayout:
     try:
         import pylate
     except ImportError as exc:
-        raise ImportError("patch_pylate() needs PyLate (1.3.3 - 1.6.x): pip install 'lik_plugins[pylate]'") from exc
+        raise ImportError(_install.missing_host("patch_pylate()", "PyLate (1.3.3 - 1.6.x)", _install.PYLATE)) from exc
 
     version = str(getattr(pylate, "__version__", "unknown"))
     scores_module = import_optional("pylate.scores.colbert")
