@@ -61,6 +61,7 @@ class FastPlaidIndex(NamedTuple):
     ivf: torch.Tensor              # [E] int32 document ids, every centroid's list back to back
     ivf_offsets: torch.Tensor      # [C + 1] int64
     max_doclen: int
+    host_offsets: np.ndarray       # doc_offsets in host memory (subset filtering)
 
     @property
     def n_docs(self) -> int:
@@ -105,6 +106,7 @@ def _read_index(path: str, device: torch.device) -> FastPlaidIndex:
         ivf=torch.from_numpy(load("ivf.npy").astype(np.int32)).to(device),
         ivf_offsets=torch.from_numpy(ivf_offsets).to(device),
         max_doclen=int(max(lengths, default=0)),
+        host_offsets=offsets,
     )
 
 
@@ -149,7 +151,25 @@ def _batch_size(index: FastPlaidIndex, lq: int, n_rerank: int) -> int:
     return int(max(1, min(_MAX_GRID_Y, WORKSPACE_BYTES // max(per_query, 1))))
 
 
-def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: int, n_rerank: int):
+def _subset_masks(index: FastPlaidIndex, subset: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, N] int8, [B, C] bool)``: each query's allowed documents, and the centroids
+    their tokens use (fast-plaid probes only those)."""
+    docs = torch.zeros((len(subset), index.n_docs), dtype=torch.int8, device=device)
+    cells = torch.zeros((len(subset), index.centroids.shape[0]), dtype=torch.bool, device=device)
+    for b, ids in enumerate(subset):
+        ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[(ids >= 0) & (ids < index.n_docs)]
+        if not ids.size:
+            continue
+        starts, lengths = index.host_offsets[ids], index.host_offsets[ids + 1] - index.host_offsets[ids]
+        tokens = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+        docs[b, torch.from_numpy(ids).to(device)] = 1
+        cells[b, index.codes[torch.from_numpy(tokens).to(device)].long()] = True
+    return docs, cells
+
+
+def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: int, n_rerank: int,
+                  subset: list | None):
     probe = implementation("triton")
     from .kernels.triton import plaid_probe
 
@@ -158,9 +178,18 @@ def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: i
     # 1. centroid scores [B, C, Lq], fp16 as fast-plaid's (centroids fp16 @ queries fp16)
     S = torch.matmul(index.centroids, Q.transpose(1, 2))
     # 2. IVF probe: each query token's best cells, their lists' union as a [B, N] mask
+    # (with a subset, among the centroids its documents use: other cells hold none of them)
     n_probe = min(n_ivf_probe, index.centroids.shape[0])
-    cells = S.topk(n_probe, dim=1).indices.reshape(nq, n_probe * lq)
+    allowed = None
+    probed = S
+    if subset is not None:
+        allowed, usable = _subset_masks(index, subset, Q.device)
+        probed = S.masked_fill(~usable[:, :, None], float("-inf"))
+    cells = probed.topk(n_probe, dim=1).indices.reshape(nq, n_probe * lq)
+    del probed
     mask = plaid_probe.mark_candidates(cells, index.ivf, index.ivf_offsets, n_docs)
+    if allowed is not None:
+        mask &= allowed
     # 3. approximate scores (-inf off the candidates), 4. the best n_rerank of them
     approx = plaid_probe.approx_scores(S, index.codes, index.doc_offsets, mask)
     del S, mask
@@ -185,7 +214,7 @@ def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: i
 
 
 def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_probe: int = 8,
-                 n_full_scores: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                 n_full_scores: int = 4096, subset: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PLAID search of ``Q`` against a fast-plaid index, as fast-plaid 1.4.6 searches it.
 
     Args:
@@ -197,6 +226,8 @@ def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_p
         n_ivf_probe: centroids probed per query token.
         n_full_scores: candidates kept by approximate score; the best quarter of them
             (at least one) is scored exactly, as fast-plaid does.
+        subset: per query, the document ids it may return (a list of ``Nq`` lists), or
+            None; as fast-plaid, the probe then picks among the centroids those documents use.
 
     Returns:
         ``(scores, ids)``, ``[Nq, min(k, n)]`` fp32 and int64 on the index's device, best
@@ -231,5 +262,8 @@ def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_p
         return (torch.full((nq, out_k), float("-inf"), device=device),
                 torch.zeros((nq, out_k), dtype=torch.int64, device=device))
     step = _batch_size(index, lq, n_rerank)
-    parts = [_search_batch(index, Q[i:i + step], k, n_ivf_probe, n_rerank) for i in range(0, nq, step)]
+    if subset is not None and len(subset) != nq:
+        raise ValueError(f"subset must hold one list per query ({nq}), got {len(subset)}")
+    parts = [_search_batch(index, Q[i:i + step], k, n_ivf_probe, n_rerank,
+                           None if subset is None else subset[i:i + step]) for i in range(0, nq, step)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

@@ -35,6 +35,11 @@ FUNCTIONS = ("colbert_scores", "colbert_kd_scores", "colbert_scores_pairwise")
 #: ``from ..rank import rerank`` (``pylate.retrieve.colbert``) included.
 LOOPS = {"rerank": "pylate.rank.rank"}
 
+#: fast-plaid's search method, which PyLate's ``indexes.PLAID`` (``use_fast=True``, 1.4 and
+#: newer) calls: ``(module, class, method)``, served by :mod:`._plaid_search` where fast-plaid
+#: is installed.
+PLAID_SEARCH = ("fast_plaid.search", "FastPlaid", "search")
+
 #: Modules imported by the patcher so that every module-level copy of a scorer exists
 #: (``import pylate`` itself imports no submodule).  Missing ones are skipped: a few
 #: only exist in some releases or need optional dependencies.

@@ -18,7 +18,8 @@ Three kinds of capture points (``notes/pylate.md`` section 4):
 Plus ``ColBERTScores.__call__`` (1.5.0 and newer): one fused call over all document
 groups instead of PyLate's loop; and ``rank.rerank`` (every release, wherever it was
 imported, the retrievers included): one packed launch over every query's candidates
-(``_layout.LOOPS``, :mod:`._rerank`).
+(``_layout.LOOPS``, :mod:`._rerank`); and fast-plaid's ``FastPlaid.search``, which PyLate's
+``indexes.PLAID`` calls (``_layout.PLAID_SEARCH``, :mod:`._plaid_search`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Any
 
 from .._patching import PatchLedger, instance_slot_property, lookalike
 from . import _layout as layout_mod
-from . import _scores
+from . import _plaid_search, _scores
 
 _lock = threading.Lock()
 _ledger = PatchLedger("pylate")
@@ -121,6 +122,14 @@ def _apply(layout: layout_mod.PyLateLayout) -> None:
     if cls is not None and not _already_patched(cls, "__call__"):
         _ledger.set_attr(cls, "__call__", served[layout.originals["ColBERTScores.__call__"]])
 
+    # 5. PLAID search: fast-plaid's FastPlaid.search, where PyLate's indexes.PLAID hands it over
+    module_name, class_name, method = layout_mod.PLAID_SEARCH
+    module = layout_mod.import_optional(module_name)
+    cls = getattr(module, class_name, None) if module is not None else None
+    if cls is not None and method in vars(cls) and not _already_patched(cls, method):
+        original = vars(cls)[method]
+        _ledger.set_attr(cls, method, lookalike(_plaid_search.make_search(original), original))
+
 
 def patch_pylate() -> layout_mod.PyLateLayout:
     """Serve PyLate's MaxSim scoring with ``lik_plugins`` kernels (PyLate 1.3.3 - 1.6.x).
@@ -140,7 +149,10 @@ def patch_pylate() -> layout_mod.PyLateLayout:
     Calling it again is harmless (it also covers PyLate modules imported since).
     :func:`lik_plugins.routing_counts` shows which path served each call, under the
     entries ``pylate.colbert_scores``, ``pylate.colbert_kd_scores``,
-    ``pylate.colbert_scores_pairwise``, ``pylate.ColBERTScores`` and ``pylate.rerank``.
+    ``pylate.colbert_scores_pairwise``, ``pylate.ColBERTScores`` and ``pylate.rerank``;
+    ``indexes.PLAID`` searches (fast-plaid installed) under ``pylate.PLAID.search``: a batch
+    of queries at a time on the GPU (:mod:`lik_plugins.plaid_search`), fast-plaid's own
+    search for CPU indexes.
 
     Returns:
         The detected :class:`PyLateLayout` (``version``, ``group``, originals).

@@ -1,0 +1,185 @@
+"""PLAID search over a fast-plaid index: ``lik_plugins.plaid_search`` and PyLate's
+``indexes.PLAID`` patched.
+
+fast-plaid cannot run in this environment (``fast_plaid_files.py`` says why), so the index
+files are written in fast-plaid's layout by ``fast_plaid_files.write_index`` and the oracle
+is fast-plaid's algorithm in float64 (``search_float64``); PyLate's PLAID runs unmodified
+over a stand-in ``fast_plaid`` package with that interface.  Our search runs on the Triton
+kernels under the interpreter (``LIK_BACKEND=triton``).
+
+Agreement with the oracle: fast-plaid rounds the centroid scores and the decompressed
+tokens to fp16, our kernel decompresses in fp32 and rounds to the queries' fp16; scores
+agree within ``SCORE_TOL`` position by position, and a different id at a position is a
+swap of two scores closer than that.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("pylate")
+
+from lik_plugins import reset_routing_counts, routing_counts  # noqa: E402
+from lik_plugins import plaid_search as ps  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from fast_plaid_files import search_float64, write_index  # noqa: E402
+
+SCORE_TOL = 2e-2
+
+
+def _unit(x):
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def _agree(ids, scores, oracle):
+    """Position by position: the same score within SCORE_TOL and the same id unless the oracle
+    has a score within SCORE_TOL of it at another position (a near tie); returns the number
+    of queries whose ids are identical."""
+    same = 0
+    for got_ids, got_scores, want in zip(ids, scores, oracle):
+        want_ids, want_scores = [p for p, _ in want], [s for _, s in want]
+        assert len(got_ids) == len(want_ids)
+        for pid, s, w_pid, w in zip(got_ids, got_scores, want_ids, want_scores):
+            assert abs(s - w) <= SCORE_TOL
+            if pid != w_pid:
+                assert pid in dict(want) and abs(dict(want)[pid] - w) <= SCORE_TOL
+        same += got_ids == want_ids
+    return same
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    # clustered documents: 8 topics, tokens near their topic's directions
+    topics = _unit(torch.randn(8, 4, 32, generator=g))
+    docs = []
+    for j in range(48):
+        n = int(torch.randint(1, 24, (1,), generator=g))
+        pick = topics[j % 8][torch.randint(0, 4, (n,), generator=g)]
+        docs.append(_unit(pick + 0.4 * torch.randn(n, 32, generator=g)))
+    docs[5] = docs[5][:1]                                # a one-token document
+    path = str(tmp_path_factory.mktemp("fast_plaid_index"))
+    write_index(path, docs, nbits=2, n_centroids=24)
+    queries = _unit(topics[torch.arange(5) % 8][:, torch.randint(0, 4, (6,), generator=g)]
+                    + 0.3 * torch.randn(5, 6, 32, generator=g))
+    return path, queries
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    monkeypatch.delenv("LIK_DISABLE", raising=False)
+
+
+def test_search_matches_fast_plaids_algorithm(index_dir, triton_backend):
+    path, queries = index_dir
+    index = ps.load_fast_plaid_index(path, "cpu")
+    assert ps.load_fast_plaid_index(path, "cpu") is index          # loaded once
+    assert index.n_docs == 48 and index.codes.dtype == torch.int32
+    scores, ids = ps.plaid_search(index, queries, 4, n_ivf_probe=2, n_full_scores=40)
+    oracle = search_float64(path, queries, 4, 2, 40)
+    assert _agree(ids.tolist(), scores.tolist(), oracle) >= 4
+
+
+def test_search_subset_and_few_candidates(index_dir, triton_backend):
+    path, queries = index_dir
+    index = ps.load_fast_plaid_index(path, "cpu")
+    subset = [list(range(q, 48, 3)) for q in range(3)] + [[], [7]]
+    # n_full_scores 4: one document scored exactly, so each query returns at most one result
+    for n_full, k in ((40, 3), (4, 3)):
+        scores, ids = ps.plaid_search(index, queries, k, n_ivf_probe=3, n_full_scores=n_full, subset=subset)
+        oracle = search_float64(path, queries, k, 3, n_full, subset)
+        kept = [[(p, s) for p, s in zip(i, sc) if s != float("-inf")] for i, sc in zip(ids.tolist(), scores.tolist())]
+        for got, allowed in zip(kept, subset):
+            assert all(p in allowed for p, _ in got)
+        assert _agree([[p for p, _ in r] for r in kept], [[s for _, s in r] for r in kept], oracle) >= 4
+    assert kept[3] == []                                            # an empty subset finds nothing
+
+
+def test_index_reloaded_when_rewritten(tmp_path, triton_backend):
+    g = torch.Generator().manual_seed(1)
+    docs = [_unit(torch.randn(5, 16, generator=g)) for _ in range(6)]
+    write_index(str(tmp_path), docs, nbits=4, n_centroids=4)
+    first = ps.load_fast_plaid_index(str(tmp_path), "cpu")
+    write_index(str(tmp_path), docs[:4], nbits=4, n_centroids=4)
+    os.utime(tmp_path / "metadata.json", ns=(1, os.stat(tmp_path / "metadata.json").st_mtime_ns + 10**9))
+    second = ps.load_fast_plaid_index(str(tmp_path), "cpu")
+    assert second is not first and second.n_docs == 4
+
+
+# --------------------------------------------------------------------------- PyLate
+
+
+@pytest.fixture
+def pylate_plaid(tmp_path, monkeypatch):
+    """PyLate's PLAID over the stand-in fast_plaid, documents encoded by the tiny offline ColBERT."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "fast_plaid_stub"))
+    for name in [n for n in sys.modules if n == "fast_plaid" or n.startswith("fast_plaid.")
+                 or n == "pylate.indexes.fast_plaid"]:
+        monkeypatch.delitem(sys.modules, name)
+    from pylate import indexes, models, retrieve
+
+    from pylate_tiny import WORDS, save_tiny_encoder
+
+    model = models.ColBERT(model_name_or_path=save_tiny_encoder(str(tmp_path / "model")), device="cpu",
+                           embedding_size=16, query_length=8, document_length=16)
+    g = torch.Generator().manual_seed(2)
+    docs = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(n),), generator=g))
+            for n in torch.randint(3, 14, (24,), generator=g)]
+    index = indexes.PLAID(index_folder=str(tmp_path / "indexes"), index_name="tiny", override=True, nbits=2,
+                          device="cpu", show_progress=False, n_full_scores=64, n_ivf_probe=4)
+    index.add_documents(documents_ids=[f"d{i}" for i in range(len(docs))],
+                        documents_embeddings=model.encode(docs, is_query=False, show_progress_bar=False))
+    queries = model.encode(["the cat and the dog", "a river in the city", "fast kernel score"], is_query=True,
+                           show_progress_bar=False)
+    yield retrieve.ColBERT(index=index), index, queries
+    from lik_plugins.pylate import unpatch_pylate
+
+    unpatch_pylate()
+
+
+def test_pylate_plaid_patched(pylate_plaid, monkeypatch):
+    from lik_plugins.pylate import patch_pylate, unpatch_pylate
+
+    retriever, index, queries = pylate_plaid
+    monkeypatch.delenv("LIK_BACKEND", raising=False)
+    monkeypatch.delenv("LIK_DISABLE", raising=False)
+    theirs = retriever.retrieve(queries_embeddings=queries, k=5)
+    fast_plaid = index._index.fast_plaid
+    original = type(fast_plaid).search
+    patch_pylate()
+    assert type(fast_plaid).search is not original
+
+    # a CPU index: fast-plaid serves, same results
+    reset_routing_counts()
+    assert retriever.retrieve(queries_embeddings=queries, k=5) == theirs
+    assert routing_counts()["pylate.PLAID.search"] == {"original": 1}
+
+    # ours (the kernels under the interpreter): same search, fast-plaid not called
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    calls = fast_plaid.searches
+    reset_routing_counts()
+    ours = retriever.retrieve(queries_embeddings=queries, k=5)
+    assert routing_counts()["pylate.PLAID.search"] == {"triton": 1}
+    assert fast_plaid.searches == calls and all(v is None for v in fast_plaid.indices.values())
+    assert [[r["id"] for r in q] for q in ours] and all(isinstance(r["score"], float) for q in ours for r in q)
+    oracle = [[(int(r["id"][1:]), r["score"]) for r in q] for q in theirs]
+    got = [[int(r["id"][1:]) for r in q] for q in ours]
+    assert _agree(got, [[r["score"] for r in q] for q in ours], oracle) >= 2
+    # subset, as PyLate passes it (document ids mapped to fast-plaid's)
+    sub = retriever.retrieve(queries_embeddings=queries, k=5, subset=["d1", "d2", "d3", "d9"])
+    assert all(r["id"] in {"d1", "d2", "d3", "d9"} for q in sub for r in q)
+
+    # the kill switch: fast-plaid's own search again
+    monkeypatch.setenv("LIK_DISABLE", "1")
+    reset_routing_counts()
+    assert retriever.retrieve(queries_embeddings=queries, k=5) == theirs
+    assert routing_counts()["pylate.PLAID.search"] == {"original": 1}
+
+    unpatch_pylate()
+    assert type(fast_plaid).search is original
