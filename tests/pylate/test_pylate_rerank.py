@@ -1,4 +1,5 @@
-"""``pylate.rank.rerank`` patched: one packed launch, PyLate's structure, order and scores."""
+"""``pylate.rank.rerank`` patched: candidates scored in place in one launch (Triton kernels, here
+interpreted), PyLate's own loop on a plain CPU; PyLate's structure, order and scores."""
 from __future__ import annotations
 
 import numpy as np
@@ -50,36 +51,85 @@ def _same(ours, theirs, exact=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rerank_matches_pylate_in_one_launch(patched, dtype):
+@pytest.fixture
+def kernels(patched, monkeypatch):
+    from lik_plugins._config import triton_interpret
+
+    if not triton_interpret():
+        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    return patched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rerank_matches_pylate_in_one_launch(kernels, dtype):
     from pylate import rank
 
     ids, queries, docs = _corpus(0, dtype=dtype)
-    theirs = patched.originals["rerank"](ids, queries, docs)
+    theirs = kernels.originals["rerank"](ids, queries, docs)
     reset_routing_counts()       # PyLate's own loop above called the patched colbert_scores
     ours = rank.rerank(ids, queries, docs)
-    # fp16: both round to the embeddings' dtype; fp32 sums may differ in the last bit
+    # 16-bit: both round to the embeddings' dtype; fp32 sums may differ in the last bit
     _same(ours, theirs, exact=False)
     assert [r["id"] for r in ours[2]] == [r["id"] for r in theirs[2]]   # the five-way tie too
+    assert routing_counts() == {"pylate.rerank": {"triton": 1}}       # no per-query colbert_scores
+
+
+def test_rerank_reads_views_of_one_buffer_and_mixed_lengths(kernels):
+    from pylate import rank
+
+    g = torch.Generator().manual_seed(5)
+    lengths = [[1, 40, 3, 77, 2, 2], [130, 5], [9]]
+    # candidates as split views of one buffer (addresses inside one storage), long queries
+    # (several row chunks) and candidates shorter and longer than one 64-token tile
+    buffers = [torch.randn(sum(n), 24, generator=g) - 0.1 for n in lengths]
+    docs = [list(torch.split(b, n)) for b, n in zip(buffers, lengths)]
+    queries = [torch.randn(n, 24, generator=g) for n in (300, 1, 33)]
+    ids = [list(range(len(n))) for n in lengths]
+    _same(rank.rerank(ids, queries, docs), kernels.originals["rerank"](ids, queries, docs), exact=False)
+    assert routing_counts()["pylate.rerank"] == {"triton": 1}
+
+
+def test_rerank_of_numpy_candidates_and_non_contiguous_ones(kernels):
+    from pylate import rank
+
+    ids, queries, docs = _corpus(6, nq=2, c=(5, 3))
+    np_docs = [[d.numpy() for d in group] for group in docs]
+    want = kernels.originals["rerank"](ids, queries, np_docs)
+    reset_routing_counts()
+    _same(rank.rerank(ids, queries, np_docs), want, exact=False)
+    strided = [[torch.stack([d, d], dim=-1)[..., 0] for d in group] for group in docs]   # same values, stride 2
+    _same(rank.rerank(ids, queries, strided), want, exact=False)
+    # read in place, then PyLate's own loop for the strided ones (its colbert_scores patched)
+    assert routing_counts()["pylate.rerank"] == {"triton": 1, "original": 1}
+
+
+def test_rerank_on_a_plain_cpu_runs_pylates_loop(patched, monkeypatch):
+    from pylate import rank
+
+    monkeypatch.setenv("LIK_BACKEND", "torch-chunked")
+    ids, queries, docs = _corpus(0)
+    want = patched.originals["rerank"](ids, queries, docs)
+    reset_routing_counts()
+    _same(rank.rerank(ids, queries, docs), want)
     counts = routing_counts()
-    assert counts["pylate.rerank"] == {"torch-chunked": 1}
-    assert counts["score_pairs_packed"] == {"torch-chunked": 1}        # one launch for every query
-    assert "pylate.colbert_scores" not in counts                       # PyLate's per-query loop did not run
+    assert counts["pylate.rerank"] == {"original": 1}
+    assert counts["pylate.colbert_scores"] == {"torch-chunked": len(queries)}   # PyLate's loop, patched scorer
 
 
-def test_rerank_numpy_inputs_stacked_queries_and_device_argument(patched):
+def test_rerank_numpy_inputs_stacked_queries_and_device_argument(kernels):
     from pylate import rank
 
     ids, queries, docs = _corpus(1, nq=2, c=(5, 3))
     stacked = torch.nn.utils.rnn.pad_sequence(queries, batch_first=True)     # [Nq, Lq, H] tensor
     np_docs = [[d.numpy() for d in group] for group in docs]
-    original = patched.originals["rerank"]
+    original = kernels.originals["rerank"]
     one = queries[0].numpy()                                                # a single [Lq, H] query
     want = [original(ids, stacked, np_docs, device="cpu"), original(ids[:1], one, np_docs[:1])]
     reset_routing_counts()
     _same(rank.rerank(ids, stacked, np_docs, device="cpu"), want[0], exact=False)
     _same(rank.rerank(ids[:1], one, np_docs[:1]), want[1], exact=False)
-    assert routing_counts()["pylate.rerank"] == {"torch-chunked": 2}
+    assert routing_counts()["pylate.rerank"] == {"triton": 2}
 
 
 def test_retrievers_and_reexports_are_captured(patched):
@@ -119,18 +169,3 @@ def test_backend_rules_and_fallbacks(patched, monkeypatch):
     monkeypatch.setenv("PYLATE_SCORES_BACKEND", "lik")
     with pytest.raises(RuntimeError, match="backend='lik'"):
         rank.rerank(ids, queries, mixed)
-
-
-def test_rerank_through_the_triton_kernels(patched, monkeypatch):
-    from lik_plugins._config import triton_interpret
-
-    if not triton_interpret():
-        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
-    from pylate import rank
-
-    monkeypatch.setenv("LIK_BACKEND", "triton")
-    ids, queries, docs = _corpus(3, nq=2, c=(5, 4))
-    want = patched.originals["rerank"](ids, queries, docs)
-    reset_routing_counts()
-    _same(rank.rerank(ids, queries, docs), want, exact=False)
-    assert routing_counts()["pylate.rerank"] == {"triton": 1}

@@ -1,21 +1,36 @@
-"""``pylate.rank.rerank`` as one fused launch over every query's candidate list.
+"""``pylate.rank.rerank`` with every candidate scored where it lies, in one launch.
 
 PyLate's own ``rerank`` loops over the queries: it right-pads each query's candidates with
-zeros (``pad_sequence``), calls ``colbert_scores`` without masks, sorts, and moves the scores
-to the host -- one padded copy, one launch and one synchronisation per query.  Here every
-candidate of every query is packed once and scored by one :func:`lik_plugins.score_pairs_packed`
-launch (query ``i`` against each of its own candidates), then the lists are sorted and read back in one transfer.
+zeros (``pad_sequence``), moves them to the device, calls ``colbert_scores`` without masks,
+sorts, and reads the scores back -- one padded copy, one launch and one synchronisation per
+query.  Here the candidates are never concatenated: an address table (each candidate's
+first-token address and length, :func:`lik_plugins.kernels.triton.listed.candidate_table`)
+goes to the device in one copy and one kernel launch scores query ``i`` against each of its
+own candidates in place.  Candidates on the CPU for a CUDA device are copied once into one
+pinned buffer and moved in one transfer.  Each list is then sorted on the device and all
+lists are read back in one copy.
 
-Same numbers as PyLate's: its zero padding takes part in the max (a zero vector scores exactly
-0), so a candidate shorter than the longest of its query's list gets one zero token appended
-(one zero scores as many zeros would); the others are packed as they are.  Scores are cast to
-PyLate's output dtype (the embeddings' dtype) before they are read, as PyLate reads them.
-Order: each list is sorted by the same ``torch.sort(descending=True)`` call PyLate makes, so
-exact ties come out in PyLate's order.  Output: PyLate's ``list[list[RerankResult]]``.
+The rule (same rankings as PyLate's at the embeddings' precision):
 
-Anything this cannot serve exactly (mixed dtypes or devices, an empty candidate list, more
-candidates than ids, ...) runs PyLate's own ``rerank`` (which raises its own errors), under
-the same backend rules as the scoring adapters (``PYLATE_SCORES_BACKEND`` / ``LIK_DISABLE``).
+* zero padding: PyLate's padding takes part in the max (a zero vector scores exactly 0), so
+  a candidate shorter than the longest of its query's list scores as if a zero token were
+  appended (a row whose similarities are all negative scores 0); the longest ones do not;
+* precision: similarities and sums in fp32 (PyLate's einsum rounds each similarity to the
+  embeddings' dtype first), then the scores are rounded to the embeddings' dtype, as
+  PyLate's are -- fp16 / bf16 scores equal PyLate's unless that rounding differs;
+* ties: each list is sorted by the very ``torch.sort(descending=True)`` call PyLate makes
+  (same length, dtype and device; ``torch.sort`` is not stable there, and a batched or
+  stable sort orders ties differently), so exactly equal scores come out in PyLate's order.
+
+Where it runs: on the devices the Triton kernels serve (CUDA; the CPU under
+``TRITON_INTERPRET=1`` with ``LIK_BACKEND=triton``).  Everywhere else (a plain CPU, MPS)
+PyLate's own loop runs, recorded as ``original`` in :func:`lik_plugins.routing_counts`:
+on a CPU it was measured faster than any packed path (``docs/performance-notes.md``), and
+its ``colbert_scores`` calls are still served by the patch.  Anything this cannot read in
+place exactly (mixed dtypes or devices, non-contiguous candidates, an empty candidate list,
+more candidates than ids, ...) runs PyLate's own ``rerank`` too (which raises its own errors),
+under the same backend rules as the scoring adapters (``PYLATE_SCORES_BACKEND`` /
+``LIK_DISABLE``).  Output: PyLate's ``list[list[RerankResult]]``.
 """
 from __future__ import annotations
 
@@ -30,8 +45,8 @@ ENTRY = "pylate.rerank"
 
 
 def rerank(documents_ids, queries_embeddings, documents_embeddings, device=None):
-    """``pylate.rank.rerank`` served by ``lik_plugins``: one packed pair-list launch for all
-    queries, PyLate's output structure and ordering."""
+    """``pylate.rank.rerank`` served by ``lik_plugins``: one launch over every query's
+    candidates where they lie, PyLate's output structure and ordering."""
     layout = _scores._layout
     original = layout.originals["rerank"]
     args = (documents_ids, queries_embeddings, documents_embeddings, device)
@@ -65,7 +80,8 @@ def _prepare(layout, documents_ids, queries_embeddings, documents_embeddings, de
     try:
         groups = list(zip(_as_queries(queries_embeddings), documents_ids, _as_queries(documents_embeddings)))
         queries = [convert(q) for q, _, _ in groups]
-        candidates = [[convert(d) for d in docs] for _, _, docs in groups]
+        tensor = torch.Tensor
+        candidates = [[d if type(d) is tensor else convert(d) for d in docs] for _, _, docs in groups]
     except Exception as exc:  # PyLate raises its own error for these
         return _Fallback(f"inputs not convertible to tensors: {exc}", strict=False)
     if not groups:
@@ -74,63 +90,62 @@ def _prepare(layout, documents_ids, queries_embeddings, documents_embeddings, de
     if not isinstance(first, torch.Tensor) or first.dtype not in SUPPORTED_DTYPES:
         return _Fallback(f"query dtype {getattr(first, 'dtype', None)}")
     dim, dtype = first.shape[-1], first.dtype
-    src = candidates[0][0].device if candidates[0] else first.device
     for q, docs, (_, ids, _) in zip(queries, candidates, groups):
         if q.dim() != 2 or q.shape[0] == 0 or q.shape[1] != dim or q.dtype != dtype or q.device != first.device:
             return _Fallback("queries must be non-empty [Lq, H] tensors of one dtype, device and H")
         if not docs or len(ids) < len(docs):
             return _Fallback("a query without candidates, or fewer ids than candidates", strict=False)
-        for d in docs:
-            if d.dim() != 2 or d.shape[1] != dim or d.dtype != dtype or d.device != src:
-                return _Fallback("candidates must be [Ld, H] tensors of the queries' dtype and H, on one device")
-        if max(d.shape[0] for d in docs) == 0:
-            return _Fallback("a candidate list of empty documents", strict=False)
     target = torch.device(device) if device is not None else first.device
-    ops = _scores._ops()
+    probe = first.to(target) if first.device != target else first
+    path = _scores._ops().served_by(probe)
+    if path != "triton":
+        # PyLate's loop (its colbert_scores served by the patch) measured faster on a CPU
+        return _Fallback(f"candidate lists are scored in place by the Triton kernels only ({path} here)",
+                         strict=False)
+    from ..kernels.triton.listed import candidate_table
+
+    counts = [len(docs) for docs in candidates]
+    lengths = [[d.shape[0] for d in docs] for docs in candidates]
+    longest = [max(n) for n in lengths]
+    if min(longest) == 0:
+        return _Fallback("a candidate list of empty documents", strict=False)
+    flat = [d for docs in candidates for d in docs]
+    table = candidate_table(flat, dtype, dim, target,
+                            extra=[q.shape[0] for q in queries] + counts + longest)
+    if isinstance(table, str):
+        return _Fallback(table, strict=False)
 
     def run():
-        return _rerank_packed(ops, queries, candidates, [ids for _, ids, _ in groups], target, src)
+        return _rerank_listed(queries, table, counts, [ids for _, ids, _ in groups], target)
 
-    return ops.served_by(first.to(target) if first.device != target else first), run
+    return path, run
 
 
-def _rerank_packed(ops, queries, candidates, ids, target, src):
-    from ..packed import pack, score_pairs_packed
+def _rerank_listed(queries, table, counts, ids, target):
+    from ..kernels.triton.listed import score_listed
 
-    dim, dtype = queries[0].shape[1], queries[0].dtype
-    zero = torch.zeros((1, dim), dtype=dtype, device=src)
-    pieces, offsets, counts = [], [0], []
-    for docs in candidates:
-        longest = max(d.shape[0] for d in docs)
-        for d in docs:
-            pieces.append(d)
-            n = d.shape[0]
-            if n < longest:          # PyLate's zero padding: one zero token scores as many would
-                pieces.append(zero)
-                n += 1
-            offsets.append(offsets[-1] + n)
-        counts.append(len(docs))
-    D = torch.cat(pieces).to(target)
-    cu_d = torch.tensor(offsets, dtype=torch.int32).to(target)
-    Q, cu_q, max_q = pack([q.to(target) for q in queries])
-    pair_q = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(torch.int32).to(target)
-    pair_d = torch.arange(len(offsets) - 1, dtype=torch.int32).to(target)
-    max_d = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+    nq, dtype = len(queries), queries[0].dtype
+    q_lens, n_cands, longest = table.extra[:nq], table.extra[nq:2 * nq], table.extra[2 * nq:]
+    total = len(table.addresses)
+    Q = torch.cat([q.to(target) for q in queries])
+    cu_q = torch.zeros(nq + 1, dtype=torch.int64, device=target)
+    torch.cumsum(q_lens, 0, out=cu_q[1:])
+    query_index = torch.repeat_interleave(torch.arange(nq, device=target), n_cands, output_size=total)
+    # PyLate's zero padding joins the max of every candidate shorter than its list's longest
+    pad = table.lengths < longest[query_index]
     with torch.no_grad():
-        flat = score_pairs_packed(Q, D, cu_q, cu_d, pair_q, pair_d, max_seqlen_q=max_q, max_seqlen_d=max_d)
+        flat = score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc, table.addresses,
+                            table.lengths, query_index, pad, table.aligned)
     flat = flat.to(dtype)            # PyLate's scores are in the embeddings' dtype
-    # Each list sorted by the very call PyLate makes on it (same length, dtype and device), so
-    # exact ties come out in PyLate's order -- torch.sort is not stable there, and a batched
-    # or stable sort orders ties differently; then one transfer for every list.
+    # each list sorted by the very call PyLate makes on it (module docstring: ties)
     parts = [torch.sort(part, descending=True) for part in torch.split(flat, counts)]
-    values = torch.cat([v for v, _ in parts]).cpu().tolist()
-    order = torch.cat([i for _, i in parts]).cpu().tolist()
-    starts = [0]
-    for n in counts:
-        starts.append(starts[-1] + n)
-    values = [values[a:b] for a, b in zip(starts[:-1], starts[1:])]
-    order = [order[a:b] for a, b in zip(starts[:-1], starts[1:])]
-    results = []
-    for n, ids_q, vals, idx in zip(counts, ids, values, order):
-        results.append([{"id": ids_q[i], "score": v} for i, v in zip(idx[:n], vals[:n])])
+    values = torch.cat([v for v, _ in parts]).float().view(torch.int32)
+    order = torch.cat([i for _, i in parts]).to(torch.int32)
+    host = torch.cat([values, order]).cpu()          # one read-back for every list
+    values = host[:total].view(torch.float32).tolist()
+    order = host[total:].tolist()
+    results, start = [], 0
+    for n, ids_q in zip(counts, ids):
+        results.append([{"id": ids_q[i], "score": v} for i, v in zip(order[start:start + n], values[start:start + n])])
+        start += n
     return results
