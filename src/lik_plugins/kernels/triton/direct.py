@@ -28,6 +28,7 @@ instrumentation knobs) are not part of a plan: call :func:`clear` after flipping
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 
@@ -139,6 +140,22 @@ def _tail(kernel, n_positional: int, meta: dict) -> tuple:
     return tuple(meta[p.name] if p.name in meta else p.default for p in params)
 
 
+# ``lik_plugins.precompile``: while a list, launches are noted in it instead of made
+_recorded: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Note every launch as ``(kernel, args, meta)`` instead of making it (the launchers run
+    on ``meta`` tensors: what a workload would compile, without a GPU)."""
+    global _recorded
+    _recorded, outer = [], _recorded
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
 def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensors=None):
     """``kernel[grid](*args, **meta)``, replayed straight into the compiled launcher once the
     plan has been launched through the JIT.  ``grid`` is a tuple or a function of ``meta``.
@@ -150,6 +167,9 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
     control (the user's inputs and views of them); the others must be fresh allocations of
     PyTorch's CUDA allocator, which starts every block on a 512-byte boundary, so their
     alignment needs no check (~3 us less per launch on the device machine's CPU)."""
+    if _recorded is not None:
+        _recorded.append((kernel, args, meta))
+        return None
     # an Autotuner or the interpreter's function (TRITON_INTERPRET=1 at import) is not a JITFunction
     if type(kernel) is not triton.runtime.JITFunction or not direct_launch_enabled() or _hooks_set() \
             or not replay_ok():

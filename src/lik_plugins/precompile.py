@@ -1,0 +1,279 @@
+"""Build the Triton binaries a workload needs into Triton's persistent disk cache, ahead of time.
+
+    python -m lik_plugins.precompile [--hosts pylate colpali sentence_transformers ops]
+                                     [--dtypes bf16 fp16 fp32] [--dims 128 96] [--arch sm_90]
+                                     [--list] [--jobs N]
+
+For a cluster image or a CI job: a process that later runs the same calls finds every binary
+in ``TRITON_CACHE_DIR`` (default ``~/.triton/cache``) and compiles nothing.  The entries are
+keyed by Triton's version, the kernels' sources, the ``ptxas`` in use and Triton's
+cache-relevant environment, so build them with the Triton (and PyTorch, whose ``ptxas``
+``torch.compile`` selects) the jobs will run.
+
+Which binaries: the real op layer runs each host's calls -- the layouts, masks and options
+its adapter passes, over a grid of batch sizes and lengths that covers the launchers' length
+buckets -- forward and backward, on ``meta`` tensors, with the target GPU's facts (its config
+table, SM count and shared memory) in place of the device's and every Triton launch noted
+instead of made (``kernels/triton/direct.recording``).  Each distinct launch (kernel,
+constexprs and compile options, argument dtypes, 16-divisibility of the specialised integers)
+is then compiled through the JIT's own ``warmup``, so its cache key is the one the runtime
+call computes.  With no GPU of the target architecture at hand (``--arch``), Triton's active
+driver is swapped for one that only names the target (``_OfflineDriver``): Triton lowers to
+PTX and runs ``ptxas`` without a device.
+
+Shapes outside the grid still run: a length in a bucket the grid did not reach, a batch
+whose size changes an integer's divisibility, or an unaligned view compiles its binary on
+first use (the call waits for it) -- never another code path.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+HOSTS = ("pylate", "colpali", "sentence_transformers", "ops")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# per architecture: (streaming multiprocessors, shared memory per block with opt-in) of the
+# GPU the launchers plan for; both decide blockings (grad_D splits, pipeline stages)
+TARGETS = {"sm_90": (132, 232448)}
+
+
+# ----------------------------------------------------------------------------- workloads
+def _mask(*shape):
+    return torch.ones(shape, dtype=torch.bool, device="meta")
+
+
+def _tokens(dtype, *shape, grad=True):
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+def _train(score):
+    score.sum().backward()
+
+
+def _pylate(dtype, dim):
+    """``colbert_scores`` (``Contrastive``: in-batch with hard negatives; ``Distillation``:
+    per-query candidates) and ``rerank`` (inference): PyLate's multiplicative mask."""
+    from . import ops
+
+    for batch in (16, 32, 64, 128, 256):
+        for negatives in (0, 1):
+            for ld in (64, 128, 180, 256, 300):
+                nd = batch * (1 + negatives)
+                _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, nd, ld, dim), None,
+                                  _mask(nd, ld), mask_mode="zero"))
+    for batch, k in ((16, 32), (32, 32), (64, 16)):
+        for ld in (180, 300):
+            _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, k, ld, dim), None,
+                              _mask(batch, k, ld), mask_mode="zero"))
+    with torch.no_grad():
+        for k in (100, 1000):
+            ops.maxsim(_tokens(dtype, 1, 32, dim), _tokens(dtype, 1, k, 300, dim), None, _mask(1, k, 300),
+                       mask_mode="zero")
+
+
+def _colpali(dtype, dim):
+    """colpali-engine's losses: in-batch and hard-negative MaxSim over page tokens (no masks:
+    padding tokens are zero) and their smooth-max variants."""
+    from . import ops
+
+    for batch in (8, 16, 32, 64):
+        for lq in (16, 32):
+            Q = _tokens(dtype, batch, lq, dim)
+            _train(ops.maxsim(Q, _tokens(dtype, batch, 1030, dim)))
+            _train(ops.maxsim(Q, _tokens(dtype, batch, 2, 1030, dim)))
+            _train(ops.smooth_maxsim(Q, _tokens(dtype, batch, 1030, dim), tau=0.1, layout="cross"))
+            _train(ops.smooth_maxsim(Q, _tokens(dtype, batch, 1030, dim), tau=0.1, layout="pairs"))
+
+
+def _sentence_transformers(dtype, dim):
+    """sentence-transformers 6's multi-vector similarity: both sides masked, masked tokens
+    excluded."""
+    from . import ops
+
+    for batch in (16, 32, 64, 128):
+        for lq in (16, 32):
+            for ld in (64, 128, 256):
+                _train(ops.maxsim(_tokens(dtype, batch, lq, dim), _tokens(dtype, batch, ld, dim), _mask(batch, lq),
+                                  _mask(batch, ld)))
+
+
+def _ops(dtype, dim):
+    """The public op as hand-written loops call it: in-batch with a document mask, queries
+    of 8-32 tokens, documents up to 1030."""
+    from . import ops
+
+    for batch in (32, 64, 128, 256):
+        for lq in (8, 16, 32):
+            for ld in (64, 128, 180, 256, 300, 1030):
+                _train(ops.maxsim(_tokens(dtype, batch, lq, dim), _tokens(dtype, batch, ld, dim), None,
+                                  _mask(batch, ld)))
+
+
+WORKLOADS = {"pylate": _pylate, "colpali": _colpali, "sentence_transformers": _sentence_transformers, "ops": _ops}
+
+
+# ----------------------------------------------------------------------------- the target
+def _device_arch() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _facts(arch: str) -> tuple[int, int]:
+    """(SMs, shared memory per block) the launchers plan with for ``arch``: the device's own
+    where it is that architecture, else the table's."""
+    if _device_arch() == arch:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.multi_processor_count, props.shared_memory_per_block_optin
+    if arch not in TARGETS:
+        raise SystemExit(f"precompile: no device facts for {arch} (known: {', '.join(TARGETS)}); "
+                         "run it on such a GPU")
+    return TARGETS[arch]
+
+
+@contextlib.contextmanager
+def _planning_for(arch: str):
+    """The op layer routes ``meta`` tensors to the Triton launchers, which plan for ``arch``
+    (its committed config table, SMs and shared memory) and note their launches."""
+    from . import library
+    from .kernels import dispatch
+    from .kernels.triton import direct, tuning
+
+    name = arch.replace("_", "")
+    if tuning._table(name) is None:
+        raise SystemExit(f"precompile: no committed config table for {arch} (kernels/triton/configs/{name}.json): "
+                         "its first calls sweep configs on the GPU; build the table there first "
+                         "(bash benchmarks/run_gpu.sh tune)")
+    sms, smem = _facts(arch)
+    saved = (library.served_by, tuning.architecture, tuning._smem_budget, dispatch.DEFAULT_SM_COUNT)
+    library.served_by = lambda t, op="maxsim": "triton"
+    tuning.architecture = lambda: name
+    tuning._smem_budget = lambda: smem
+    dispatch.DEFAULT_SM_COUNT = sms     # what sm_count() answers for a non-CUDA (here: meta) device
+    try:
+        with direct.recording() as launches:
+            yield launches
+    finally:
+        library.served_by, tuning.architecture, tuning._smem_budget, dispatch.DEFAULT_SM_COUNT = saved
+
+
+def variants(hosts, dtypes, dims, arch: str) -> list[tuple]:
+    """Every distinct launch ``(kernel, args, meta)`` the hosts' calls make on ``arch``, in a
+    stable order, the direct launcher's self-check kernel first."""
+    from .kernels.triton import direct
+
+    found = {}
+    torch.manual_seed(0)
+    with _planning_for(arch) as launches:
+        launches.append((direct.self_check_kernel, (_tokens(torch.float32, 100, grad=False),
+                                                    _tokens(torch.float32, 100, grad=False),
+                                                    *direct._CHECK_CALLS[0]), dict(direct._CHECK_META)))
+        for host in hosts:
+            for dtype in dtypes:
+                for dim in dims:
+                    WORKLOADS[host](dtype, dim)
+    for kernel, args, meta in launches:
+        found.setdefault(direct.variant(kernel, args, meta), (kernel, args, meta))
+    return [found[k] for k in sorted(found, key=repr)]
+
+
+def describe(kernel, args, meta) -> str:
+    from .kernels.triton import direct
+
+    dtypes = sorted({str(a.dtype).replace("torch.", "") for a in args if isinstance(a, torch.Tensor)})
+    settings = " ".join(f"{k}={v}" for k, v in sorted(meta.items()))
+    return f"{direct._kernel_name(kernel)} [{','.join(dtypes)}] {settings}"
+
+
+class _OfflineDriver:
+    """Triton's active driver for compiling without a device: it names the target and a
+    device and stream that nothing is launched on.  ``warmup`` compiles and returns."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _compiling_for(arch: str):
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    if _device_arch() == arch:
+        yield
+        return
+    driver.set_active(_OfflineDriver(GPUTarget("cuda", int(arch[3:]), 32)))
+    try:
+        yield
+    finally:
+        # back to the default, built on its next use (``reset_active`` would build it now,
+        # and fails where no GPU driver is installed)
+        driver.set_active(None)
+
+
+def compile_all(todo: list[tuple], arch: str) -> None:
+    import triton
+
+    with _compiling_for(arch):
+        for kernel, args, meta in todo:
+            if type(kernel) is not triton.runtime.JITFunction:
+                raise SystemExit(f"precompile: {kernel!r} is not a Triton JIT function (the interpreter is on: "
+                                 "unset TRITON_INTERPRET)")
+            kernel.warmup(*args, grid=(1,), **meta)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lik_plugins.precompile", description=__doc__.splitlines()[0])
+    p.add_argument("--hosts", nargs="+", choices=HOSTS, default=list(HOSTS))
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16"])
+    p.add_argument("--dims", nargs="+", type=int, default=[128])
+    p.add_argument("--arch", default=None, help="target GPU architecture, e.g. sm_90 (default: this GPU's)")
+    p.add_argument("--list", action="store_true", help="print the variants, compile nothing")
+    p.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 16),
+                   help="compiler processes (Triton's compiler holds the GIL for much of its work)")
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    arch = args.arch or _device_arch()
+    if arch is None:
+        p.error("no CUDA device here: name the target with --arch (e.g. sm_90)")
+    todo = variants(args.hosts, [DTYPES[d] for d in args.dtypes], args.dims, arch)
+    if args.list:
+        for v in todo:
+            print(describe(*v))
+        print(f"{len(todo)} variants for {arch}")
+        return 0
+    if args.shard is not None:
+        index, count = map(int, args.shard.split("/"))
+        compile_all(todo[index::count], arch)
+        return 0
+    t0 = time.perf_counter()
+    jobs = max(1, min(args.jobs, len(todo)))
+    given = list(argv if argv is not None else sys.argv[1:])
+    workers = [subprocess.Popen([sys.executable, "-m", "lik_plugins.precompile", *given, "--arch", arch,
+                                 "--shard", f"{i}/{jobs}"]) for i in range(jobs)]
+    failed = sum(w.wait() != 0 for w in workers)
+    print(f"{len(todo)} variants for {arch} in {time.perf_counter() - t0:.1f} s ({jobs} processes)"
+          + (f"; {failed} failed" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
