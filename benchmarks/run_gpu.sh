@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|realloop|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|realloop|coldstart|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   src/lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
+#   coldstart = benchmarks/coldstart.py and PyLate's real loop cold / precompiled / torch, one call;
 #   multigpu = benchmarks/multi_gpu.py over every GPU of the machine (NCCL, multicast off; options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e;
 # compressed = benchmarks/bench_compressed.py (PLAID residuals, int8, the projection head; ~2.5 min cold);
@@ -75,6 +76,14 @@ fi
 if [[ $stage == realloop ]]; then
   host_env
   python3 benchmarks/real_loop.py "$OUT" "$@" 2>&1 | tail -60
+fi
+if [[ $stage == coldstart ]]; then
+  # fresh processes on empty caches: routing, do_bench first against again, lowmem bitwise, precompile ->
+  # zero compiles; then PyLate's loop cold, on a precompiled cache, and on PyLate's torch path
+  host_env
+  timeout 200 python3 benchmarks/coldstart.py "$OUT" 2>&1 | tail -8
+  timeout 260 python3 benchmarks/real_loop.py "$OUT" --loops pylate --impls lik_plugins,torch --steps 12 \
+    --precompiled --timeout 100 "$@" 2>&1 | grep -v '^{'
 fi
 if [[ $stage == multigpu ]]; then
   # NVLink multicast stays off in every process (NCCL, PyTorch symmetric memory, NVSHMEM)
