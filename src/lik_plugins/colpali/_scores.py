@@ -82,3 +82,44 @@ def candidates(Q: torch.Tensor, N: torch.Tensor, smooth: bool = False, tau: floa
 def query_lengths(Q: torch.Tensor) -> torch.Tensor:
     """colpali's query length: rows whose first feature is non-zero."""
     return (Q[:, :, 0] != 0).sum(dim=1)
+
+
+def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
+    """``score_multi_vector`` on lists with every passage read where it lies, or None where
+    colpali's own loop must run: ``([n_q, n_p]`` float32 on CPU, path``).
+
+    colpali right-pads each chunk of ``batch_size`` passages with zeros and scores them
+    without masks, so a zero token takes part in the max of every passage shorter than the
+    longest of its chunk (results depend on ``batch_size``, and must): such a passage is
+    scored with the zero padding in its max (``kernels.triton.listed``).  Query padding adds
+    exactly 0 to a sum.  Scores are rounded to the inputs' dtype before the float32 cast, as
+    colpali's are.  Served where the Triton kernels run; elsewhere (a CPU) colpali's loop."""
+    target = torch.device(device)
+    first = queries[0]
+    probe = first.to(target) if first.device != target else first
+    path = _ops().served_by(probe)
+    if path != "triton":
+        return None
+    from ..kernels.triton.listed import candidate_table, score_listed
+
+    dim, dtype = first.shape[1], first.dtype
+    lengths = [p.shape[0] for p in passages]
+    longest = [max(lengths[j0:j0 + batch_size]) for j0 in range(0, len(lengths), batch_size)]
+    table = candidate_table(passages, dtype, dim, target, extra=longest)
+    if isinstance(table, str):
+        return None
+    nq, n_p = len(queries), len(passages)
+    Q = torch.cat([q.to(target) for q in queries])
+    cu_q = torch.zeros(nq + 1, dtype=torch.int64, device=target)
+    torch.cumsum(torch.tensor([q.shape[0] for q in queries]).to(target), 0, out=cu_q[1:])
+    chunk = torch.arange(n_p, device=target) // batch_size
+    pad = table.lengths < table.extra[chunk]
+    # pair p = passage p // n_q against query p % n_q: a passage's queries run side by side
+    # (its tokens read from L2 after the first)
+    with torch.no_grad():
+        flat = score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc,
+                            table.addresses.repeat_interleave(nq), table.lengths.repeat_interleave(nq),
+                            torch.arange(nq, device=target).repeat(n_p), pad.repeat_interleave(nq),
+                            table.aligned)
+    scores = flat.to(dtype).view(n_p, nq).t().contiguous().cpu().to(torch.float32)
+    return scores, path

@@ -150,15 +150,8 @@ def _lik_slots(backend_module):
 
 def _score_multi_vector_for(processing, original):
     """``score_multi_vector(qs, ps, batch_size=128, device=None)`` with colpali's semantics,
-    in one packed launch: ``[n_q, n_p]`` float32 on CPU.
-
-    colpali right-pads each chunk of ``batch_size`` passages with zeros and scores the
-    chunks without masks, so a zero token takes part in the max of every passage shorter
-    than the longest of its chunk (results depend on ``batch_size``, and must).  Packed,
-    such a passage gets one zero token appended (a zero vector scores exactly 0: one is as
-    good as many); the others are packed as they are.  Query padding adds exactly 0 to a
-    sum, so queries are packed unpadded.  Scores are rounded to the inputs' dtype before
-    the float32 cast, as colpali's are."""
+    in one launch over the passages where they lie (:func:`._scores.multi_vector_lists`):
+    ``[n_q, n_p]`` float32 on CPU; colpali's own loop where that does not serve."""
 
     @functools.wraps(original)
     def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
@@ -176,38 +169,15 @@ def _score_multi_vector_for(processing, original):
                 or not isinstance(batch_size, int) or batch_size <= 0:
             record("colpali.score_multi_vector", "original")
             return original(qs, ps, batch_size, device)
-        scores, path = _packed_multi_vector(queries, passages, batch_size, device)
+        served = sc.multi_vector_lists(queries, passages, batch_size, device)
+        if served is None:
+            record("colpali.score_multi_vector", "original")
+            return original(qs, ps, batch_size, device)
+        scores, path = served
         record("colpali.score_multi_vector", path)
         return scores
 
     return score_multi_vector
-
-
-def _packed_multi_vector(queries, passages, batch_size, device):
-    from ..packed import pack
-
-    zero = passages[0].new_zeros((1, passages[0].shape[1]))
-    pieces, offsets = [], [0]
-    for j0 in range(0, len(passages), batch_size):
-        chunk = passages[j0:j0 + batch_size]
-        longest = max(p.shape[0] for p in chunk)
-        for p in chunk:
-            pieces.append(p)
-            n = p.shape[0]
-            if n < longest:          # colpali's zero padding of this chunk: one zero token
-                pieces.append(zero)
-                n += 1
-            offsets.append(offsets[-1] + n)
-    D = torch.cat(pieces).to(device)
-    cu_d = torch.tensor(offsets, dtype=torch.int32).to(device)
-    Q, cu_q, max_q = pack([q.to(device) for q in queries])
-    max_d = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
-    ops = sc._ops()
-    from .. import packed
-
-    with torch.no_grad():
-        scores = packed.maxsim_varlen(Q, D, cu_q, cu_d, max_q, max_d)
-    return scores.to(Q.dtype).cpu().to(torch.float32), ops.served_by(Q)
 
 
 # --------------------------------------------------------------------------- public
