@@ -136,11 +136,25 @@ def run_mode(host: Host, python: str, work: Path, doctest_paths: list[str], mode
            "-o", "junit_family=xunit1", "--rootdir", str(work), "-c", str(work / "pytest.ini"), *host.extra_args]
     if doctest_paths:
         cmd.append("--doctest-modules")
-    started = time.perf_counter()
+    # the exit status is not read: the hosts' suites fail some tests in every mode here (the
+    # baseline), and what counts is each test's outcome against that baseline
     proc = subprocess.run([*cmd, *targets], cwd=work, env=env, capture_output=True, text=True, timeout=1500)
     (out_dir / f"{host.name}-{mode}.log").write_text(proc.stdout[-200_000:] + proc.stderr[-50_000:])
-    print(f"  {host.name:22s} {mode:10s} rc={proc.returncode} {time.perf_counter() - started:6.1f} s", flush=True)
     return outcomes(report) if report.exists() else {}
+
+
+def mode_row(host: str, mode: str, runs: dict[str, dict[str, str]], seconds: float) -> str:
+    """One line per mode as it finishes: the baseline's outcomes, then each mode against it."""
+    got = runs[mode]
+    if mode == "unpatched":
+        counts = {o: sum(v == o for v in got.values()) for o in ("passed", "skipped", "failed", "error")}
+        return (f"  {host:22s} {mode:10s} {len(got)} tests: {counts['passed']} pass, {counts['skipped']} skipped, "
+                f"{counts['failed'] + counts['error']} fail or error without lik_plugins on this machine (the baseline)"
+                f"  {seconds:6.1f} s")
+    base = runs["unpatched"]
+    ids = set(base) | set(got)
+    same = sum(base.get(t, "absent") == got.get(t, "absent") for t in ids)
+    return f"  {host:22s} {mode:10s} {same} of {len(ids)} tests as unpatched  {seconds:6.1f} s"
 
 
 def outcomes(report: Path) -> dict[str, str]:
@@ -162,29 +176,50 @@ def expected_differences() -> dict[tuple[str, str], str]:
     return listed
 
 
-def compare(host: str, runs: dict[str, dict[str, str]], listed: dict) -> tuple[list[str], list[str], dict]:
+def compare(host: str, runs: dict[str, dict[str, str]], listed: dict) -> dict:
+    """Each test against the unpatched run in every other mode: ``equal`` (same outcome in
+    all modes), ``deliberate`` (listed tests that differ in a patched mode: id -> modes),
+    ``problems`` (unlisted differences, or any under ``disabled``) and ``stale`` (listed,
+    no longer different)."""
     base = runs["unpatched"]
-    problems, stale, summary = [], [], {}
-    seen_listed = set()
-    for mode, got in runs.items():
-        counts = {}
-        for outcome in got.values():
-            counts[outcome] = counts.get(outcome, 0) + 1
-        summary[mode] = counts
-        if mode == "unpatched":
-            continue
-        for test_id in sorted(set(base) | set(got)):
+    ids = sorted(set().union(*runs.values()))
+    problems, deliberate, equal = [], {}, 0
+    for test_id in ids:
+        differs = False
+        for mode, got in runs.items():
             a, b = base.get(test_id, "absent"), got.get(test_id, "absent")
-            if a == b:
+            if mode == "unpatched" or a == b:
                 continue
+            differs = True
             if mode != "disabled" and (host, test_id) in listed:
-                seen_listed.add((host, test_id))
-                continue
-            problems.append(f"{host} [{mode}] {test_id}: {a} unpatched, {b} {mode}")
-    for key in listed:
-        if key[0] == host and key not in seen_listed:
-            stale.append(f"{key[0]} {key[1]}: listed but no longer differs")
-    return problems, stale, summary
+                deliberate.setdefault(test_id, []).append(mode)
+            else:
+                problems.append(f"{host} [{mode}] {test_id}: {a} unpatched, {b} {mode}")
+        equal += not differs
+    stale = [f"{host} {test_id}: listed but no longer differs" for (suite, test_id) in listed
+             if suite == host and test_id not in deliberate]
+    return {"tests": len(ids), "equal": equal, "deliberate": deliberate, "problems": problems, "stale": stale}
+
+
+def summary_lines(report: dict, seconds: float) -> list[str]:
+    """The closing lines (``make test`` repeats them in its summary)."""
+    lines = []
+    for name, entry in report.items():
+        if "equal" not in entry:
+            lines.append(f"host suites: {name}: {entry['problems'][0]}")
+            continue
+        k = len(entry["deliberate"])
+        lines.append(f"host suites: {name}: {entry['equal']} tests equal to unpatched in every mode, {k} deliberate "
+                     f"difference{'s' if k != 1 else ''} (listed), {len(entry['problems'])} unexpected")
+        for test_id, modes in entry["deliberate"].items():
+            lines.append(f"host suites:   deliberate: {test_id} ({', '.join(modes)})")
+    problems = [p for entry in report.values() for p in entry["problems"]]
+    stale = [p for entry in report.values() for p in entry.get("stale", [])]
+    lines += [f"host suites: STALE {line}" for line in stale]
+    lines += [f"host suites: DIFF {line}" for line in problems]
+    lines.append(f"host suites: {len(problems)} unexpected difference(s) in {len(report)} host(s), {seconds:.0f} s "
+                 f"(deliberate differences and their reasons: ci/host_suite_expected_failures.txt)")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -198,36 +233,33 @@ def main(argv=None) -> int:
     out_dir = Path(args.out).resolve() if args.out else cache / "reports"
     out_dir.mkdir(parents=True, exist_ok=True)
     listed = expected_differences()
-    all_problems, all_stale, report = [], [], {}
+    report = {}
     started = time.perf_counter()
     for name in [h.strip() for h in args.hosts.split(",") if h.strip()]:
         host = HOSTS[name]
         python = sys.executable if host.python == "main" else args.st6_python
         if not Path(python).exists():
-            all_problems.append(f"{name}: no interpreter at {python} (run ci/st6_env.sh --build-only)")
+            report[name] = {"problems": [f"no interpreter at {python} (run ci/st6_env.sh --build-only)"]}
             continue
         sdist = fetch(host, cache, python)
         work = workdir(host, sdist, cache)
         doctest_paths = module_paths(python, host.doctests)
-        runs = {mode: run_mode(host, python, work, doctest_paths, mode, out_dir) for mode in MODES}
+        runs = {}
+        for mode in MODES:
+            mode_started = time.perf_counter()
+            runs[mode] = run_mode(host, python, work, doctest_paths, mode, out_dir)
+            if not runs["unpatched"]:
+                break
+            print(mode_row(name, mode, runs, time.perf_counter() - mode_started), flush=True)
         if not runs["unpatched"]:
-            all_problems.append(f"{name}: no test outcomes (see {out_dir}/{name}-unpatched.log)")
+            report[name] = {"problems": [f"no test outcomes (see {out_dir}/{name}-unpatched.log)"]}
             continue
-        problems, stale, summary = compare(name, runs, listed)
-        all_problems += problems
-        all_stale += stale
-        report[name] = {"summary": summary, "problems": problems, "stale": stale}
+        report[name] = compare(name, runs, listed)
     seconds = time.perf_counter() - started
     (out_dir / "host_suites.json").write_text(json.dumps({"seconds": seconds, "hosts": report}, indent=1))
-    for name, entry in report.items():
-        print(f"{name}: " + "; ".join(f"{mode} {counts}" for mode, counts in entry["summary"].items()))
-    for line in all_stale:
-        print(f"STALE  {line}")
-    for line in all_problems:
-        print(f"DIFF   {line}")
-    print(f"host suites: {len(all_problems)} unexpected difference(s), {seconds:.0f} s")
-    return 1 if all_problems else 0
-
+    for line in summary_lines(report, seconds):
+        print(line)
+    return 1 if any(entry["problems"] for entry in report.values()) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -137,7 +137,9 @@ def main(argv=None) -> int:
     print(f"install check: pip lists and logs in {out}")
     for line in problems:
         print(f"CHANGED  {line}")
-    print(f"install check: {'torch and every other package untouched' if not problems else f'{len(problems)} problem(s)'}")
+    verdict = (f"{len(steps)} pip installs left torch {version} and every other installed package untouched "
+               f"(pip list before/after each)" if not problems else f"{len(problems)} problem(s)")
+    print(f"install check: {verdict}")
     return 1 if problems else 0
 
 

@@ -27,7 +27,7 @@ fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRITON_INTERPRET=1
 set +e
-"$PY" -m pytest -q -p no:cacheprovider tests/sentence_transformers
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/sentence_transformers
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then echo "st6_env: ERROR: pytest collected no tests (exit code 5)" >&2; exit 1; fi
