@@ -362,3 +362,31 @@ def test_st_semantics_through_the_triton_kernels(patched, monkeypatch):
     torch.testing.assert_close(got[0], theirs.detach(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], Q.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[2], G.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lists_read_in_place_by_the_triton_kernels(patched, monkeypatch, dtype):
+    """``maxsim`` / ``maxsim_pairwise`` on lists: one launch over the documents where they lie
+    (split views of one buffer among them), ST's list semantics: padding excluded, an empty
+    document's sentinel, ``length_normalize``."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU) for the kernels")
+    from sentence_transformers.util import maxsim, maxsim_pairwise
+
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    g = torch.Generator().manual_seed(21)
+    qs = [_tokens(g, n, 16, dtype=dtype) for n in (3, 70, 1)]
+    # shifted: all-negative rows must be excluded (never floored at a padding zero)
+    ds = [_tokens(g, n, 16, dtype=dtype) - 0.4 for n in (5, 1, 90)] + list(torch.split(_tokens(g, 9, 16, dtype=dtype), [6, 0, 3]))
+    cases = {
+        "maxsim": (lambda: maxsim(qs, ds), "maxsim"),
+        "length_normalize": (lambda: maxsim(qs, ds, length_normalize=True), "maxsim"),
+        "pairwise": (lambda: maxsim_pairwise(qs, ds[:3]), "maxsim_pairwise"),
+    }
+    for name, (call, entry) in cases.items():
+        reset_routing_counts()
+        ours = call()
+        assert routing_counts() == {f"sentence_transformers.{entry}_lists": {"triton": 1}}, name
+        _close(ours, unpatched(call), dtype)

@@ -14,6 +14,10 @@ ST scores multi-vector embeddings in two layers, both in ``sentence_transformers
 We replace the chunk scorers by one fused op call each and keep every line of the first layer
 (ST's own code runs it), so its semantics cannot drift.  On top of that:
 
+* ``maxsim`` / ``maxsim_pairwise`` on two lists of tensors (the evaluators' calls): every
+  document is read where it lies by one launch over all pairs (``kernels.triton.listed``),
+  no padded chunks, where the Triton kernels run and the documents lie on the scoring
+  device; elsewhere ST's own loop.
 * ``maxsim`` / ``maxsim_pairwise``: for pre-padded tensors (nothing left to pad) the chunk
   loop is collapsed to one chunk -- one launch; ``chunk_elements`` is accepted and ignored
   there, since the fused op never builds the ``(Nq, Nd, Lq, Ld)`` intermediate the budget
@@ -161,10 +165,79 @@ def _one_chunk(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return bound.args, bound.kwargs
 
 
+def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``maxsim`` / ``maxsim_pairwise`` on two lists of ``[L, H]`` tensors, every document read
+    where it lies (``kernels.triton.listed``: one launch, no padded chunk), or None where ST's
+    own loop must run.  ST's list semantics: lengths are the masks (padding excluded from
+    the max and the sum), a document without tokens scores ``_EMPTY_DOCUMENT_SCORE``,
+    ``length_normalize`` divides by the query's token count; float32 on the documents'
+    device.  Served where the Triton kernels run and the scoring device is the documents'."""
+    bound = _signatures[name].bind(*args, **kwargs)
+    params = bound.arguments
+    a, b = params.get("a"), params.get("b")
+    if not (isinstance(a, list) and isinstance(b, list) and a and b):
+        return None
+    if params.get("a_mask") is not None or params.get("b_mask") is not None:
+        return None
+    pairwise = name == "maxsim_pairwise"
+    if pairwise and len(a) != len(b):
+        return None   # ST's own error
+    first = a[0]
+    if not isinstance(first, torch.Tensor) or first.dtype not in SUPPORTED_DTYPES or first.dim() != 2:
+        return None
+    dtype, dim, device = first.dtype, first.shape[1], first.device
+    if not all(isinstance(q, torch.Tensor) and q.dim() == 2 and q.shape[0] > 0 and q.shape[1] == dim
+               and q.dtype == dtype and q.device == device for q in a):
+        return None
+    target = params.get("device")
+    if not isinstance(b[0], torch.Tensor) or b[0].device != device or (
+            target is not None and torch.device(target) != device):
+        return None
+    if torch.is_grad_enabled() and (any(q.requires_grad for q in a) or any(
+            getattr(d, "requires_grad", False) for d in b)):
+        return None   # scores only: a gradient goes through ST's chunk scorers
+    if _ops().served_by(first) != "triton":
+        return None
+    from ..kernels.triton.listed import candidate_table, score_listed
+
+    nq, nd = len(a), len(b)
+    table = candidate_table(b, dtype, dim, device, extra=[q.shape[0] for q in a])
+    if isinstance(table, str):
+        return None
+    q_lens = table.extra
+    Q = torch.cat(a)
+    cu_q = torch.zeros(nq + 1, dtype=torch.int64, device=device)
+    torch.cumsum(q_lens, 0, out=cu_q[1:])
+    max_q = max(q.shape[0] for q in a)
+    with torch.no_grad():
+        if pairwise:
+            scores = score_listed(Q, cu_q, max_q, table.doc, table.addresses, table.lengths,
+                                  torch.arange(nq, device=device), None, table.aligned)
+            empty = table.lengths == 0
+        else:
+            # pair p = document p // nq against query p % nq: a document's queries side by side
+            flat = score_listed(Q, cu_q, max_q, table.doc, table.addresses.repeat_interleave(nq),
+                                table.lengths.repeat_interleave(nq), torch.arange(nq, device=device).repeat(nd),
+                                None, table.aligned)
+            scores = flat.view(nd, nq).t()
+            empty = (table.lengths == 0).unsqueeze(0)
+    scores = scores.masked_fill(empty, _similarity_module._EMPTY_DOCUMENT_SCORE)
+    if params.get("length_normalize", False):
+        counts = q_lens.to(scores.dtype)
+        scores = scores / (counts if pairwise else counts.unsqueeze(1))
+    return scores
+
+
 def _loop(name: str) -> Callable:
+    entry = f"sentence_transformers.{name}_lists"
+
     def run(*args, **kwargs):
         if _serving():
             try:
+                served = _listed(name, args, kwargs)
+                if served is not None:
+                    record(entry, "triton")
+                    return served
                 args, kwargs = _one_chunk(name, args, kwargs)
             except TypeError:
                 pass  # let ST raise its own error for a bad call
