@@ -18,12 +18,18 @@ What it does on an Apple GPU (MPS):
 Options: ``--quick`` (fewer cases and repeats), ``--out DIR`` (also write
 ``metal_selftest.json`` and ``metal_selftest.md`` there).  Exit status: 0 all correct,
 1 a mismatch or a kernel failure, 2 no usable MPS device (nothing run).
+
+The output starts with the machine (chip, macOS, torch) and ends by asking for a report:
+a GitHub issue titled ``Metal self-test: <chip>`` with the whole output pasted (``--help``
+shows a sample of it).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -126,17 +132,72 @@ def timing_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def environment() -> dict:
+    """The machine a report comes from."""
+    from ... import __version__
+
+    chip = platform.machine()
+    if platform.system() == "Darwin":
+        probe = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
+        chip = probe.stdout.strip() or chip
+    return {"chip": chip, "macos": platform.mac_ver()[0] or "-", "torch": torch.__version__,
+            "python": platform.python_version(), "lik_plugins": __version__}
+
+
+def heading(env: dict) -> str:
+    return (f"lik_plugins Metal self-test: {env['chip']}, macOS {env['macos']}, torch {env['torch']}, "
+            f"Python {env['python']}, lik_plugins {env['lik_plugins']}")
+
+
+def correctness_section(results: list) -> str:
+    return "correctness on MPS (errors relative to max(1, |reference|)):\n" + checks.report(results)
+
+
+def timing_section(rows: list[dict]) -> str:
+    return "\ntiming (median ms; ratio > 1 means Metal is faster):\n" + timing_table(rows)
+
+
+def closing(env: dict, results: list) -> str:
+    failed = sum(not r.ok for r in results)
+    return (f"\n{len(results) - failed}/{len(results)} correctness cases passed\n\n"
+            f"Please report this run, passed or failed: open an issue in the lik_plugins GitHub repository titled\n"
+            f'"Metal self-test: {env["chip"]}" and paste this whole output, from its first line to this one,\n'
+            f"in a code block (with --out DIR, attach metal_selftest.md and metal_selftest.json too).")
+
+
+def sample_output() -> str:
+    """A run's output as the sections above print it, with placeholder numbers (no Mac has
+    run this yet): what ``--help`` shows."""
+    env = {"chip": "Apple M2", "macos": "14.5", "torch": "2.6.0", "python": "3.12.4", "lik_plugins": "0.1.0"}
+    cases = checks.default_cases(quick=True)[:2]
+    results = [checks.Result(case, torch.float32, {"scores": 1e-7, "grad_q": 2e-7, "grad_d": 2e-7, "argmax": 0}, [])
+               for case in cases]
+    row = {"shape": TIMING_SHAPES[0][0], "dtype": "float16", "metal_fwd": 0.5, "chunked_fwd": 1.5, "eager_fwd": 1.0,
+           "metal_train": 1.0, "chunked_train": 3.0, "eager_train": 2.0}
+    correctness = correctness_section(results).replace("\n\nkernel", "\n[... every case in fp32, fp16 and bf16 ...]"
+                                                                     "\n\nkernel")
+    return "\n".join([heading(env), correctness,
+                      timing_section([row]) + "\n[... one row per shape and dtype ...]", closing(env, results)])
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lik_plugins.kernels.metal.selftest", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lik_plugins.kernels.metal.selftest", description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="sample output (the layout only: the numbers are placeholders, not measurements):\n\n"
+               + sample_output())
     parser.add_argument("--quick", action="store_true", help="fewer cases and repeats")
     parser.add_argument("--out", help="also write metal_selftest.json / .md into this folder")
     args = parser.parse_args(argv)
 
     reason = unavailable_reason()
     if reason is not None:
-        print(f"lik_plugins Metal self-test: {reason}; nothing was run (it needs a Mac with an Apple GPU).")
+        print(f"lik_plugins Metal self-test: {reason}; nothing was run (it needs a Mac with an Apple GPU; "
+              f"--help shows what a run prints and how to report it).")
         return 2
 
+    env = environment()
+    print(heading(env), flush=True)
     results = []
     for dtype in checks.DTYPES.values():
         for case in checks.default_cases(args.quick):
@@ -146,8 +207,7 @@ def main(argv=None) -> int:
             except Exception as exc:  # compile error, device fault: report per case
                 errors, failure = {}, f"{type(exc).__name__}: {str(exc)[:2000]}"
             results.append(checks.Result(case, dtype, errors, [], failure))
-    print("correctness on MPS (errors relative to max(1, |reference|)):")
-    print(checks.report(results))
+    print(correctness_section(results), flush=True)
     failed = sum(not r.ok for r in results)
 
     repeats = 3 if args.quick else 10
@@ -156,23 +216,21 @@ def main(argv=None) -> int:
         for shape in TIMING_SHAPES[: 2 if args.quick else None]:
             rows.append(_timing_row(*shape, dtype, repeats))
     table = timing_table(rows)
-    print("\ntiming (median ms; ratio > 1 means Metal is faster):")
-    print(table)
-    print(f"\n{len(results) - failed}/{len(results)} correctness cases passed")
+    print(timing_section(rows))
+    print(closing(env, results))
 
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         payload = {
-            "torch": torch.__version__,
+            **env,
             "correctness": [{"case": r.case.name, "dtype": checks.dtype_name(r.dtype), "errors": r.errors,
                              "failure": r.failure} for r in results],
             "timing": rows,
         }
         (out / "metal_selftest.json").write_text(json.dumps(payload, indent=2))
-        (out / "metal_selftest.md").write_text(checks.report(results) + "\n\n" + table + "\n")
+        (out / "metal_selftest.md").write_text(heading(env) + "\n\n" + checks.report(results) + "\n\n" + table + "\n")
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
