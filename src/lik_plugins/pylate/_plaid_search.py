@@ -112,8 +112,8 @@ def make_search(original):
 
         subset = _normalised_subset(subset, Q.shape[0])
         with torch.inference_mode():
+            _release_host_copy(self)              # before ours loads: never two copies at once
             index = plaid_search.load_fast_plaid_index(self.index, device)
-            _release_host_copy(self)
             scores, ids = plaid_search.plaid_search(index, Q, top_k, n_ivf_probe=n_ivf_probe,
                                                     n_full_scores=n_full_scores, subset=subset)
         _routing.record(ENTRY, "triton")
