@@ -84,9 +84,18 @@ def pytest_counts(lines: list[str]) -> dict[str, int]:
     return {}
 
 
-def skip_lines(lines: list[str]) -> list[str]:
-    """The ``-rs`` report: ``SKIPPED [n] file:line: reason``."""
-    return [line.strip() for line in lines if line.startswith("SKIPPED [")]
+SKIP_LINE = re.compile(r"^SKIPPED \[(\d+)\] ([^:]+):\d+: (.*)$")
+
+
+def skips_by_reason(lines: list[str]) -> dict[str, tuple[int, list[str]]]:
+    """The ``-rs`` report (``SKIPPED [n] file:line: reason``) grouped: reason -> (tests, files)."""
+    grouped: dict[str, tuple[int, list[str]]] = {}
+    for line in lines:
+        m = SKIP_LINE.match(line.strip())
+        if m:
+            n, files = grouped.get(m.group(3), (0, []))
+            grouped[m.group(3)] = (n + int(m.group(1)), files + [m.group(2)] * (m.group(2) not in files))
+    return grouped
 
 
 def passed(outcome: Outcome) -> bool:
@@ -123,12 +132,15 @@ def detail(outcome: Outcome) -> list[str]:
 
 def summary(outcomes: list[Outcome], seconds: float, numbers=None) -> list[str]:
     """``numbers``: each outcome's part number (default 1, 2, ...)."""
-    skipped = [line for o in outcomes if o.part.kind == "pytest" for line in skip_lines(o.lines)]
     out = ["", "=" * 30 + " make test: summary " + "=" * 30]
-    if skipped:
-        out.append(f"skipped tests, with their reasons ({len(skipped)} lines; [n] = how many tests):")
-        out += [f"  {line}" for line in skipped]
-        out.append("")
+    for o in outcomes:
+        grouped = skips_by_reason(o.lines) if o.part.kind == "pytest" else {}
+        if grouped:
+            out.append(f"skipped in {o.part.label}, by reason (tests, reason, files):")
+            for reason, (n, files) in sorted(grouped.items(), key=lambda item: -item[1][0]):
+                shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+                out.append(f"  {n:5d}  {reason}  ({shown})")
+            out.append("")
     for n, o in zip(numbers or range(1, len(outcomes) + 1), outcomes):
         first, *rest = detail(o)
         verdict = "passed" if passed(o) else f"FAILED (exit code {o.returncode})"

@@ -25,6 +25,14 @@ FAILED tests/ops/test_y.py::test_z - AssertionError
 1 failed, 1203 passed, 3 skipped, 1 deselected, 14 warnings in 812.34s (0:13:32)""".splitlines()
 
 
+def test_skips_are_grouped_by_reason_with_their_counts_and_files():
+    lines = ["SKIPPED [8] tests/gpu/a.py:121: needs a CUDA device", "SKIPPED [4] tests/gpu/b.py:13: needs a CUDA device",
+             "SKIPPED [1] tests/gpu/a.py:158: needs a CUDA device", "SKIPPED [2] tests/x.py:1: PyLate is not installed",
+             "FAILED tests/y.py::z - SKIPPED [1] nothing"]
+    assert make_test.skips_by_reason(lines) == {"needs a CUDA device": (13, ["tests/gpu/a.py", "tests/gpu/b.py"]),
+                                                "PyLate is not installed": (2, ["tests/x.py"])}
+
+
 def _outcome(kind, lines, rc=0, label="part"):
     return make_test.Outcome(make_test.Part(label, ["true"], kind), rc, 12.0, lines)
 
@@ -60,8 +68,9 @@ def test_the_summary_ends_with_the_skips_then_one_line_per_part_then_the_verdict
     lines = make_test.summary(outcomes, 1000.0)
     text = "\n".join(lines)
     assert "rc=" not in text
-    skips = lines.index("  SKIPPED [2] tests/ops/test_x.py:10: the Triton kernels on CPU need TRITON_INTERPRET=1")
+    skips = lines.index("      2  the Triton kernels on CPU need TRITON_INTERPRET=1  (tests/ops/test_x.py)")
     first_part = next(i for i, line in enumerate(lines) if line.startswith("1. suite"))
+    assert lines[skips - 1] == "skipped in suite, by reason (tests, reason, files):"
     assert skips < first_part
     assert lines[first_part].startswith("1. suite") and "passed: 1203 passed, 3 skipped  [12 s]" in lines[first_part]
     assert "2. metal" in text and "passed: 24/24 cases passed against the float64 reference" in text
