@@ -65,8 +65,14 @@ def packed_inputs_ok(cu_q, rows_q, max_q, cu_d, rows_d, max_d, pair_q=None, pair
     n_pairs = 0 if pair_q is None else pair_q.shape[0]
     pair_q = cu_q if pair_q is None else pair_q
     pair_d = cu_d if pair_d is None else pair_d
-    grid = (2 + triton.cdiv(n_pairs, PAIRS_PER_PROGRAM),)
+    grid = (2 + -(-n_pairs // PAIRS_PER_PROGRAM),)    # not triton.cdiv: a JIT function, ~10 us from the host
+    ints = (cu_q.numel(), rows_q, max_q, cu_d.numel(), rows_d, max_d, n_pairs)
+    # every integer argument is unspecialised: the binary depends on the dtypes and the
+    # integers' 32-bit fit only (direct.launch), so the launch skips featurising them
+    static_key = ("packed_inputs_ok", cu_q.dtype, cu_d.dtype, pair_q.dtype, pair_d.dtype,
+                  max(ints) <= 0x7FFFFFFF and min(ints) >= -0x80000000)
     launch(packed_inputs_ok_kernel, grid,
-           (cu_q, cu_q.numel(), rows_q, max_q, cu_d, cu_d.numel(), rows_d, max_d, pair_q, pair_d, n_pairs, ok),
-           dict(BLOCK=CHECK_BLOCK, PAIR_BLOCK=PAIRS_PER_PROGRAM))
+           (cu_q, ints[0], rows_q, max_q, cu_d, ints[3], rows_d, max_d, pair_q, pair_d, n_pairs, ok),
+           dict(BLOCK=CHECK_BLOCK, PAIR_BLOCK=PAIRS_PER_PROGRAM), static_key=static_key,
+           caller_tensors=(cu_q, cu_d, pair_q, pair_d))
     return ok

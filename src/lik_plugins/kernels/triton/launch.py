@@ -39,6 +39,8 @@ from . import forward as forward_formats
 from .direct import launch
 from .tuning import cdiv, doc_kernel_and_meta, forward_kernel_and_meta, interpreting, k_tile, next_pow2, size_class
 
+# Counts above this do not fit the kernels' 32-bit integer arguments (Triton would specialise them as 64-bit).
+_INT32_MAX = 2**31 - 1
 # Upper bound on the binaries one kernel needs for one dtype / width / option set (above).
 MAX_VARIANTS_PER_KERNEL = 40
 # Lq above this is split into row chunks of this many tokens (exact: partial sums).
@@ -789,9 +791,11 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
         index = _placeholder(device, torch.int32)
         pair_q, pair_d = pairs if pairs is not None else (index, index)
         n_programs = n_j * n_qblocks * n_chunks
+        # packed float documents have their own table rows: a pair list's short documents
+        # (50-300 tokens, a program each) ran best on other tiles than a padded 1 x 100k rerank
         kernel, meta, after_launch = forward_kernel_and_meta(
-            rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=_built_key(Q, D, doc_format, packed=True) if built else Q.dtype,
-            n_programs=n_programs, save_arg=save_argmax)
+            rows_per_q=rows, qpb=qpb, d_pad=d_pad, dtype=_built_key(Q, D, doc_format, packed=True) if built else
+            (Q.dtype, D.dtype, DENSE, "packed"), n_programs=n_programs, save_arg=save_argmax)
         if built:
             meta.update(_format_meta(doc_format, Q.dtype, dim, d_pad))
             aux = (*(placeholder if t is None else t for t in (doc_format.a0, doc_format.a1, doc_format.a2)),
@@ -815,9 +819,19 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
             UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=_precision(Q.dtype),
             VARLEN=True, PAIRS=pairs is not None, **meta,
         )
+        static_key = None
+        if after_launch is None:
+            # what Triton specialises on beyond the meta-parameters (direct.launch): the
+            # specialised strides and sizes, the dtypes; the lengths and counts are not
+            # specialised (only their 32-bit fit, which the packed ops' offsets rule keeps)
+            static_key = ("varlen", tuple(meta.items()), dim, Q.dtype, D.dtype, cu_q.dtype, pair_q.dtype, arg_dtype,
+                          Q.stride(), D.stride(), ints[13], ints[16], aux[5:],
+                          None if doc_format is None else doc_format.key(),
+                          max(n_rows, n_j, max_q, max_d) <= _INT32_MAX)
         launch(kernel, (n_programs,),
                (Q, D, qm, dm, rq, rd, out, argmax if argmax is not None else placeholder, cu_q, cu_d, pair_q, pair_d,
-                *ints, *aux), meta)
+                *ints, *aux), meta, static_key=static_key,
+               caller_tensors=(Q, D, qm, dm, rq, rd, cu_q, cu_d, pair_q, pair_d, *aux[:3]))
         if after_launch is not None:
             after_launch()
         scores = out if n_chunks == 1 else out.sum(0)
@@ -859,17 +873,24 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
     gd32 = torch.zeros(D.shape, dtype=torch.float32, device=device) if need_d else None
     index = _placeholder(device, torch.int32)
     pair_q, pair_d = pairs if pairs is not None else (index, index)
+    s_gj = grad.stride(1) if pairs is None else 0
+    meta = dict(
+        NEED_Q=bool(need_q), SCATTER_D=bool(need_d), NORMALIZE=bool(normalize), ATOMIC_Q=atomic_q,
+        PAIRS=pairs is not None, BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
+    )
+    # specialised: the meta-parameters, dim, the strides but grad's and the argmax's first, the
+    # dtypes (direct.launch); the counts are not, and fit 32 bits (the offsets rule)
+    static_key = ("varlen_bwd", tuple(meta.items()), dim, s_gj, Q.stride(), D.stride(), Q.dtype, D.dtype,
+                  argmax.dtype, cu_q.dtype, pair_q.dtype, None if gq is None else gq.dtype,
+                  max(n_rows, n_j, j_per_split) <= _INT32_MAX)
     launch(maxsim_bwd_varlen_kernel, (base_programs * n_split,), (
         grad, Q, D, rq, rd, argmax, gq if gq is not None else placeholder, gd32 if gd32 is not None else placeholder,
         cu_q, cu_d, pair_q, pair_d,
         n_rows, n_j, max_q, dim,
-        grad.stride(0), grad.stride(1) if pairs is None else 0,
+        grad.stride(0), s_gj,
         Q.stride(0), Q.stride(1), D.stride(0), D.stride(1),
         argmax.stride(0), n_split, j_per_split,
-    ), dict(
-        NEED_Q=bool(need_q), SCATTER_D=bool(need_d), NORMALIZE=bool(normalize), ATOMIC_Q=atomic_q,
-        PAIRS=pairs is not None, BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
-    ))
+    ), meta, static_key=static_key, caller_tensors=(grad, Q, D, argmax, cu_q, cu_d, pair_q, pair_d))
     grad_q = grad_d = None
     if need_q:
         grad_q = _finish_rows(gq, Q, rq, normalize) if atomic_q else gq
