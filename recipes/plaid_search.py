@@ -60,11 +60,16 @@ def synthetic(n_docs: int, lengths: tuple[int, int], n_queries: int, dim: int, s
 
 
 def offline(path: str, device: str):
+    """Documents and queries of a ``recipes/fp8_fidelity.py --save-embeddings`` file, or of its
+    fp16 packed copy (``passages`` [tokens, d] with ``lengths``)."""
     import torch
 
     emb = torch.load(path)
-    docs = [d[m].half() for d, m in zip(emb["passages"], emb["passage_mask"])]
-    return docs, emb["queries"].to(device)
+    if "lengths" in emb:
+        docs = list(emb["passages"].half().split(emb["lengths"].tolist()))
+    else:
+        docs = [d[m].half() for d, m in zip(emb["passages"], emb["passage_mask"])]
+    return docs, emb["queries"].float().to(device)
 
 
 def exact_top(docs, queries, k: int, device: str):
@@ -227,18 +232,6 @@ def main(argv=None) -> list:
 
     import pylate
 
-    rows = []
-    if args.offline_embeddings:
-        docs, queries = offline(args.offline_embeddings, args.device)
-        rows.append(run_corpus("offline", docs, queries, args))
-    if args.docs:
-        docs, queries = synthetic(args.docs, tuple(args.doc_tokens), args.queries, args.dim, args.seed, args.device)
-        rows.append(run_corpus("synthetic", docs, queries, args))
-        del docs
-    if args.long_docs:
-        docs, queries = synthetic(args.long_docs, (1000, 4000), min(args.queries, 200), args.dim, args.seed + 1,
-                                  args.device)
-        rows.append(run_corpus("long", docs, queries, args, n_full_scores=8192))
     try:
         from importlib.metadata import version
 
@@ -248,14 +241,30 @@ def main(argv=None) -> list:
     meta = dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                 torch=torch.__version__, triton=triton.__version__, fast_plaid=fp_version,
                 pylate=pylate.__version__, command="python recipes/plaid_search.py " + " ".join(sys.argv[1:]))
-    text = markdown(rows, meta)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "plaid_search.json"), "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-        with open(os.path.join(args.out, "plaid_search.md"), "w") as fh:
-            fh.write(text)
+    rows = []
+
+    def report(row):        # written after every corpus: a run cut short keeps what it measured
+        rows.append(row)
+        text = markdown(rows, meta)
+        print(text, flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "plaid_search.json"), "w") as fh:
+                json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+            with open(os.path.join(args.out, "plaid_search.md"), "w") as fh:
+                fh.write(text)
+
+    if args.offline_embeddings:
+        docs, queries = offline(args.offline_embeddings, args.device)
+        report(run_corpus("offline", docs, queries, args))
+    if args.docs:
+        docs, queries = synthetic(args.docs, tuple(args.doc_tokens), args.queries, args.dim, args.seed, args.device)
+        report(run_corpus("synthetic", docs, queries, args))
+        del docs
+    if args.long_docs:
+        docs, queries = synthetic(args.long_docs, (1000, 4000), min(args.queries, 200), args.dim, args.seed + 1,
+                                  args.device)
+        report(run_corpus("long", docs, queries, args, n_full_scores=8192))
     return rows
 
 
