@@ -254,13 +254,13 @@ def main(argv=None) -> list:
             with open(os.path.join(args.out, "plaid_search.md"), "w") as fh:
                 fh.write(text)
 
-    if args.offline_embeddings:
-        docs, queries = offline(args.offline_embeddings, args.device)
-        report(run_corpus("offline", docs, queries, args))
     if args.docs:
         docs, queries = synthetic(args.docs, tuple(args.doc_tokens), args.queries, args.dim, args.seed, args.device)
         report(run_corpus("synthetic", docs, queries, args))
         del docs
+    if args.offline_embeddings:
+        docs, queries = offline(args.offline_embeddings, args.device)
+        report(run_corpus("offline", docs, queries, args))
     if args.long_docs:
         docs, queries = synthetic(args.long_docs, (1000, 4000), min(args.queries, 200), args.dim, args.seed + 1,
                                   args.device)
