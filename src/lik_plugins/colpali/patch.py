@@ -197,8 +197,10 @@ def _import_colpali():
             raise ImportError(INSTALL_HINT) from exc
         raise ImportError(
             f"colpali-engine is installed but does not import ({exc}); a torchvision that does not "
-            "match the installed torch breaks transformers' imports: install torch and torchvision "
-            "from the same index, or uninstall torchvision"
+            "match the installed torch breaks transformers' imports: install torchvision from the index "
+            "your torch came from (for a CPU torch: pip install torchvision --index-url "
+            "https://download.pytorch.org/whl/cpu), or pip uninstall torchvision (colpali-engine runs "
+            "without it on transformers below 5.5)"
         ) from exc
 
 
