@@ -41,8 +41,11 @@ import time
 
 LOOPS = ("fixed", "vary-colbert", "vary-colpali", "pylate")
 IMPLS = ("lik_plugins", "late-interaction-kernels", "flash-maxsim", "torch")
-# what ``--precompiled`` builds ahead for each loop (bf16, d 128): the kernel loops' calls are the ops'
-PRECOMPILE_HOSTS = {"pylate": "pylate", "fixed": "ops", "vary-colbert": "ops", "vary-colpali": "ops"}
+# what ``--precompiled`` builds ahead for each loop (d 128): the kernel loops' calls are the ops', bf16;
+# PyLate's step runs under CUDA autocast, whose normalisation returns fp32 embeddings
+PRECOMPILE = {"pylate": ["--hosts", "pylate", "--dtypes", "bf16", "fp32"],
+              "fixed": ["--hosts", "ops", "--dtypes", "bf16"], "vary-colbert": ["--hosts", "ops", "--dtypes", "bf16"],
+              "vary-colpali": ["--hosts", "ops", "--dtypes", "bf16"]}
 BULKY = ("variants", "compiles", "spike_samples", "recompiles")   # in the JSON, not in the progress lines
 
 
@@ -316,8 +319,8 @@ def run_cell(args) -> dict:
 def _precompile(loop: str, cache_dir: str) -> float:
     """``python -m lik_plugins.precompile`` for ``loop``'s calls into ``cache_dir``; its seconds."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "lik_plugins.precompile", "--hosts", PRECOMPILE_HOSTS[loop],
-                    "--dtypes", "bf16", "--dims", "128"], env=dict(os.environ, TRITON_CACHE_DIR=cache_dir),
+    subprocess.run([sys.executable, "-m", "lik_plugins.precompile", *PRECOMPILE[loop], "--dims", "128"],
+                   env=dict(os.environ, TRITON_CACHE_DIR=cache_dir),
                    check=True, capture_output=True, timeout=600)
     return time.perf_counter() - t0
 

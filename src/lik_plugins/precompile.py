@@ -53,7 +53,9 @@ def _tokens(dtype, *shape, grad=True):
 
 
 def _train(score):
-    score.sum().backward()
+    # a dense incoming gradient, as a loss gives (``sum()``'s expanded one has stride 0: other
+    # integer specialisations than any real step's)
+    score.backward(torch.empty_like(score))
 
 
 def _pylate(dtype, dim):
