@@ -1,22 +1,24 @@
 """One-query ``maxsim`` latency under ``triton.testing.do_bench``, against flash-maxsim and
 late-interaction-kernels, with the GPU timeline of our call.
 
-    python benchmarks/bench_latency.py OUT [--sizes 1000,100000] [--variants default,noahead,jit]
+    python benchmarks/bench_latency.py OUT [--sizes 1000,100000] [--variants default,jit] [--profile]
 
 ``do_bench`` clears the L2 with a 256 MB memset before every call and keeps the GPU queue
 full, so whatever our call adds to the GPU timeline -- a synchronisation, an extra launch, a
-zero-fill, a wait for a background thread -- is in its median.  Cases: 1 query of 32 tokens
-against ``N`` documents of 300 tokens, bf16, d 128 (unit-norm random tokens).
+zero-fill, a one-off stall such as a compile or a self-check inside a timed call -- is in its
+numbers.  Cases: 1 query of 32 tokens against ``N`` documents of 300 tokens, bf16, d 128
+(unit-norm random tokens).
 
-Per implementation and size, in a process of its own (variants set environment variables):
-* ``cold``: do_bench right after the first call (what a fresh benchmark script measures);
-* ``settled``: do_bench again after background work started by the first call has finished;
+Per implementation and size, each group (ours per variant, the peers) in a process of its own:
+* ``first``: do_bench's default mean, with the implementation's first call of the process
+  inside it (what a fresh benchmark script measures; a one-off stall moves the mean);
+* ``median``: a second do_bench, its median;
 * for ours, ``launcher``: the Triton launcher alone (``kernels/triton/launch.forward``),
-  without the op layers above it;
-* the copy bandwidth of this GPU (a 1 GiB device-to-device copy) and the floor
-  ``bytes read / bandwidth``;
+  without the op layers above it; ``--config-ab``: the launcher with forced tile configs;
+* the copy bandwidth of this GPU (a 1 GiB device-to-device copy, bytes read + written) and
+  the floor ``bytes of D / bandwidth``;
 * with ``--profile``: the GPU timeline of a few do_bench-like iterations (every kernel and
-  memset on the device, in order) and the synchronising runtime calls made per call.
+  memset on the device, in order) and the runtime calls made per call.
 
 Writes ``latency.json`` and ``latency.md`` under OUT.
 """
@@ -37,7 +39,6 @@ LQ, LD, DIM = 32, 300, 128
 # variant -> environment of its process
 VARIANTS = {
     "default": {},
-    "noahead": {"LIK_COMPILE_AHEAD": "0"},
     "jit": {"LIK_DIRECT_LAUNCH": "0"},
 }
 # runtime API calls that wait for the device or allocate (counted per call in the profile)
@@ -68,13 +69,15 @@ def _impls(group: str):
     import late_interaction_kernels
 
     return {
-        "flash-maxsim": lambda Q, D: flash_maxsim.flash_maxsim_batched(Q, D, shared_docs=True),
+        # its one-query entry and its batched one (which pads queries): the faster counts
+        "flash-maxsim": lambda Q, D: flash_maxsim.flash_maxsim(Q[0], D),
+        "flash-maxsim batched": lambda Q, D: flash_maxsim.flash_maxsim_batched(Q, D, shared_docs=True),
         "late-interaction-kernels": lambda Q, D: late_interaction_kernels.maxsim(Q, D),
     }
 
 
 # forward configs (BLOCK_N, num_warps, num_stages) forced on our kernel with --config-ab
-CONFIGS = [(64, 4, 4), (32, 4, 4), (128, 4, 3), (64, 8, 3)]
+CONFIGS = [(64, 4, 3), (128, 4, 4)]
 
 
 def _forced_configs(Q, D, rep):
@@ -98,27 +101,13 @@ def _forced_configs(Q, D, rep):
                                         save_argmax=False)
             fn()
             ms = do_bench(fn, warmup=25, rep=rep, return_mode="median")
-            rows.append(dict(impl=f"lik_plugins launcher N{n}w{w}s{st}", settled_ms=ms))
+            rows.append(dict(impl=f"lik_plugins launcher N{n}w{w}s{st}", median_ms=ms))
         except Exception as exc:  # noqa: BLE001 - a config that does not fit: say so
             rows.append(dict(impl=f"lik_plugins launcher N{n}w{w}s{st}", error=repr(exc)[:200]))
         finally:
             launch.forward_kernel_and_meta = pick
             launch.clear_plans()
     return rows
-
-
-def _settle():
-    """Wait for background work our first call may have started (compiles ahead, the
-    launcher's self-check), so ``settled`` measures the steady state."""
-    try:
-        from lik_plugins.kernels.triton import ahead, direct
-
-        ahead.settle()
-        for future in list(getattr(ahead, "_pending", {}).values()) + list(getattr(direct, "_CHECK_COMPILE", [])):
-            future.result(timeout=60)
-    except Exception as exc:  # noqa: BLE001 - another layout of those modules: just wait
-        print(f"[latency] settle: {exc!r}")
-    time.sleep(1.0)
 
 
 def _copy_bandwidth() -> float:
@@ -167,14 +156,11 @@ def child(group: str, sizes: list[int], profile: bool, config_ab: bool = False) 
         for name, impl in _impls(group).items():
             with torch.no_grad():
                 fn = lambda: impl(Q, D)  # noqa: E731
-                out = fn()
-                torch.cuda.synchronize()
-                cold = do_bench(fn, warmup=25, rep=rep, return_mode="median")
-                _settle()
-                settled = do_bench(fn, warmup=25, rep=rep, return_mode="median")
-                row = dict(impl=name, n_docs=n, cold_ms=cold, settled_ms=settled, floor_ms=floor_ms,
-                           floor_fraction=floor_ms / settled, copy_tb_s=bandwidth / 1e12,
-                           checksum=float(out.float().sum()), variant=os.environ.get("LATENCY_VARIANT", "default"))
+                first = do_bench(fn, warmup=25, rep=rep)        # the first call of fn is do_bench's own
+                median = do_bench(fn, warmup=25, rep=rep, return_mode="median")
+                row = dict(impl=name, n_docs=n, first_mean_ms=first, median_ms=median, floor_ms=floor_ms,
+                           floor_fraction=floor_ms / median, copy_tb_s=bandwidth / 1e12,
+                           checksum=float(fn().float().sum()), variant=os.environ.get("LATENCY_VARIANT", "default"))
                 if profile and n <= 10_000:
                     with warnings_as_rows(row):
                         torch.cuda.set_sync_debug_mode("warn")
@@ -189,10 +175,10 @@ def child(group: str, sizes: list[int], profile: bool, config_ab: bool = False) 
         if config_ab and group == "lik_plugins":
             with torch.no_grad():
                 for row in _forced_configs(Q, D, rep):
-                    row.update(n_docs=n, cold_ms=float("nan"), floor_ms=floor_ms, copy_tb_s=bandwidth / 1e12,
-                               floor_fraction=floor_ms / row["settled_ms"] if "settled_ms" in row else 0.0,
+                    row.update(n_docs=n, first_mean_ms=float("nan"), floor_ms=floor_ms, copy_tb_s=bandwidth / 1e12,
+                               floor_fraction=floor_ms / row["median_ms"] if "median_ms" in row else 0.0,
                                variant=os.environ.get("LATENCY_VARIANT", "default"))
-                    row.setdefault("settled_ms", float("nan"))
+                    row.setdefault("median_ms", float("nan"))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
         del Q, D
@@ -223,7 +209,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--sizes", default="1000,100000")
-    p.add_argument("--variants", default="default,noahead,jit")
+    p.add_argument("--variants", default="default")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-peers", action="store_true", help="ours only")
     p.add_argument("--config-ab", action="store_true", help="also our launcher with each of CONFIGS forced")
@@ -265,13 +251,14 @@ def main() -> int:
     lines = [f"# One-query maxsim latency under do_bench ({meta['device']})", "",
              f"`{meta['command']}` -- {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, "
              f"late-interaction-kernels {meta['late-interaction-kernels']}, flash-maxsim {meta['flash-maxsim']}", "",
-             "Medians of `triton.testing.do_bench` (L2 cleared before each call). cold: right after the first call; "
-             "settled: after its background work finished. floor = bytes of D / measured copy bandwidth.", "",
-             "| docs | implementation | variant | cold ms | settled ms | floor ms | floor / settled |",
+             "`triton.testing.do_bench` (L2 cleared before each call). first: its default mean, the implementation's "
+             "first call of the process inside it; median: a second run's median. floor = bytes of D / measured copy "
+             "bandwidth (read + write).", "",
+             "| docs | implementation | variant | first (mean) ms | median ms | floor ms | floor / median |",
              "|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['n_docs']} | {r['impl']} | {r['variant']} | {r['cold_ms']:.4f} | {r['settled_ms']:.4f} | "
-                     f"{r['floor_ms']:.4f} | {r['floor_fraction']:.0%} |")
+        lines.append(f"| {r['n_docs']} | {r['impl']} | {r['variant']} | {r['first_mean_ms']:.4f} | "
+                     f"{r['median_ms']:.4f} | {r['floor_ms']:.4f} | {r['floor_fraction']:.0%} |")
     with open(os.path.join(a.out, "latency.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
