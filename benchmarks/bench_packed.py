@@ -453,7 +453,7 @@ CASES = {
     "ho_list_large": dict(run=_pair_list_case(1), impls=("lik_plugins", "late-interaction-kernels"),
                           title=lambda s: f"pair list {s['ho_lists'][1]}"),
 }
-CHILD_TIMEOUT_S = 480
+CHILD_TIMEOUT_S = int(os.environ.get("BENCH_CHILD_TIMEOUT_S", "480"))
 
 
 def _unavailable(impl, cuda):
@@ -488,13 +488,16 @@ def _run_child(case, impl, smoke, reps, work):
             path = os.path.join(work, f"{one}__{impl}.json")
             if os.path.exists(path):
                 os.remove(path)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-        sys.stdout.write(proc.stdout)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            sys.stdout.write(proc.stdout)
+            why = f"child exited with {proc.returncode}: {proc.stderr.strip()[-300:]}"
+        except subprocess.TimeoutExpired:
+            why = f"child timed out after {CHILD_TIMEOUT_S} s"
         for one in case.split(","):
             path = os.path.join(work, f"{one}__{impl}.json")
             rows += json.load(open(path)) if os.path.exists(path) else [
-                dict(case=CASES[one]["title"](_sizes(smoke)), impl=impl,
-                     error=f"child exited with {proc.returncode}: {proc.stderr.strip()[-300:]}")]
+                dict(case=CASES[one]["title"](_sizes(smoke)), impl=impl, error=why)]
         return rows
     title = CASES[case]["title"](_sizes(smoke))
     try:
