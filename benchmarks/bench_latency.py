@@ -230,12 +230,18 @@ def main() -> int:
             cmd.append("--profile")
         if a.config_ab and variant == "default":
             cmd.append("--config-ab")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        for line in proc.stdout.splitlines():
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=int(os.environ.get("BENCH_CHILD_TIMEOUT_S", "300")))
+            out, rc, err = proc.stdout, proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as exc:     # keep the rows printed so far
+            out, rc, err = exc.stdout or "", "timeout", str(exc.stderr or "")
+            out = out.decode() if isinstance(out, bytes) else out
+        for line in out.splitlines():
             if line.startswith("{"):
                 rows.append(json.loads(line))
-        if proc.returncode:
-            print(f"[latency] {group}/{variant} exited {proc.returncode}: {proc.stderr[-800:]}")
+        if rc:
+            print(f"[latency] {group}/{variant} exited {rc}: {err[-800:]}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "command": " ".join(["python", *sys.argv]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
