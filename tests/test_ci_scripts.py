@@ -162,3 +162,35 @@ def test_a_folder_named_like_the_package_does_not_shadow_it(tmp_path):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_host_suites_end_to_end_on_a_fake_host(tmp_path, monkeypatch, capsys):
+    """ci/host_suites.py's main over a host whose tests are written here: one always passes,
+    one always fails (a host test that cannot pass on the machine), one fails only when
+    patched (a deliberate difference, listed)."""
+    sdist = tmp_path / "cache" / "fakehost-1.0"
+    (sdist / "tests").mkdir(parents=True)
+    (sdist / "tests" / "test_fake.py").write_text(
+        "import os\n"
+        "def test_ok():\n    pass\n"
+        "def test_needs_the_network():\n    assert False\n"
+        "def test_differs_when_patched():\n"
+        "    patched = os.environ.get('LIK_HOST_SUITE_PATCH') or (os.environ.get('LIK_PATCH') and not "
+        "os.environ.get('LIK_DISABLE'))\n"
+        "    assert not patched\n")
+    host = host_suites.Host("fakehost", "fakehost==1.0", "fakehost-1.0", "reset_routing_counts", ("tests",), ())
+    monkeypatch.setattr(host_suites, "HOSTS", {"fakehost": host})
+    expected = tmp_path / "expected.txt"
+    monkeypatch.setattr(host_suites, "EXPECTED", expected)
+    args = ["--hosts", "fakehost", "--cache", str(tmp_path / "cache")]
+
+    expected.write_text("fakehost | tests.test_fake::test_differs_when_patched | deliberate, for the test\n")
+    assert host_suites.main(args) == 0
+    out = capsys.readouterr().out
+    assert "rc=" not in out
+    assert "unpatched  3 tests: 2 pass, 0 skipped, 1 fail or error without lik_plugins" in out
+    assert "zero-code  2 of 3 tests as unpatched" in out and "disabled   3 of 3 tests as unpatched" in out
+    assert ("host suites: fakehost: 2 tests equal to unpatched in every mode, 1 deliberate difference (listed), "
+            "0 unexpected") in out
+    assert "deliberate: tests.test_fake::test_differs_when_patched (zero-code, explicit)" in out
+    # (an unlisted difference fails: test_host_suites_flags_an_unlisted_difference_...)
