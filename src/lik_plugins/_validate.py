@@ -171,6 +171,17 @@ def index_problems(name: str, idx: torch.Tensor, bound: int, bound_name: str) ->
     return [f"{name}[{bad}] = {int(idx[bad])}: pair indices must lie in [0, {bound_name}={bound})"]
 
 
+def lengths_problems(name: str, lengths: torch.Tensor, bound: int) -> list[str]:
+    """The first entry of an integer ``lengths`` tensor outside ``[0, bound]``, as a message
+    with its index (host read)."""
+    lengths = lengths.detach().cpu()
+    bad = ((lengths < 0) | (lengths > bound)).nonzero()
+    if not bad.numel():
+        return []
+    at = tuple(int(i) for i in bad[0])
+    return [f"{name}[{', '.join(map(str, at))}] = {int(lengths[at])}: lengths must lie in [0, {bound}]"]
+
+
 def offsets_rule(name: str, packed_rows: int, max_seqlen, max_name: str) -> str:
     """The whole rule in one sentence: the message of a check asserted on the device, where
     the offending index cannot be read without a host sync."""

@@ -36,7 +36,7 @@ import torch
 from . import _routing, library
 from ._validate import (
     check_index_tensor, check_mask, check_max_seqlen, check_offsets, check_offsets_shape, check_options, check_tensor,
-    index_problems, offsets_problems, offsets_rule, settle_checks,
+    index_problems, lengths_problems, offsets_problems, offsets_rule, settle_checks,
 )
 from .kernels import reference
 from .kernels.dispatch import served_by
@@ -227,8 +227,8 @@ def maxsim_padded(
             ``doc_lengths[b, c]`` tokens of candidate ``c`` exist.
         query_lengths: ``[B]`` integer lengths in ``[0, Lq]``.
         doc_lengths: ``[B, C]`` integer lengths in ``[0, Ld]``.  A candidate of length 0
-            scores 0.  Lengths are checked on the device (``torch._assert_async``: no host
-            sync); out of range is an error.
+            scores 0.  Out of range is an error: a ``ValueError`` naming the first bad
+            entry on the CPU, a device-side assertion on a GPU (no host sync).
         normalize: L2-normalise every token first.
 
     Tokens past a length never take part (padding is excluded, whatever it holds).  One
@@ -258,7 +258,11 @@ def maxsim_padded(
             raise ValueError(f"{name} must have shape {shape}, got {tuple(lengths.shape)}")
         if lengths.device != queries.device:
             raise ValueError(f"{name} is on {lengths.device} but the embeddings are on {queries.device}")
-        torch._assert_async(((lengths >= 0) & (lengths <= bound)).all(), f"{name} must lie in [0, {bound}]")
+        # never a host sync on a GPU: as the offsets with both bounds given (settle_checks)
+        settle_checks([(((lengths >= 0) & (lengths <= bound)).all(), None,
+                        lambda name=name, lengths=lengths, bound=bound: lengths_problems(name, lengths, bound),
+                        f"{name} must lie in [0, {bound}]")],
+                      bounds_given=True)
     q_mask = torch.arange(lq, device=queries.device) < query_lengths.unsqueeze(-1)
     d_mask = torch.arange(ld, device=documents.device) < doc_lengths.unsqueeze(-1)
     from .ops import _score

@@ -279,8 +279,12 @@ def test_maxsim_padded_matches_the_unpadded_tokens(backend, gen):
                         _grads(want, (Q, D), torch.Generator().manual_seed(3))):
         _close(got, ref)
     assert lik.routing_counts()["maxsim_padded"] == {backend: 1}
-    with pytest.raises(RuntimeError, match=r"doc_lengths must lie in \[0, 9\]"):
-        lik.maxsim_padded(Q, D, q_len, d_len + 9)
+    too_long = d_len.clone()
+    too_long[1, 2] = 10
+    with pytest.raises(ValueError, match=r"doc_lengths\[1, 2\] = 10: lengths must lie in \[0, 9\]"):
+        lik.maxsim_padded(Q, D, q_len, too_long)
+    with pytest.raises(ValueError, match=r"query_lengths\[2\] = -1: lengths must lie in \[0, 6\]"):
+        lik.maxsim_padded(Q, D, torch.tensor([6, 1, -1]), d_len)
 
 
 def test_pack_unpack_round_trip(gen):
