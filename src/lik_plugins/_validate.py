@@ -191,18 +191,19 @@ def offsets_rule(name: str, packed_rows: int, max_seqlen, max_name: str) -> str:
             f"on the CPU outside torch.compile, or with {max_name} omitted)")
 
 
-def settle_checks(checks: list, bounds_given: bool) -> list | None:
+def settle_checks(checks: list, host_read_needed: bool) -> list | None:
     """Settle the checks ``[(ok, longest or None, explain, rule)]``: ``ok`` and ``longest``
     0-d device tensors, ``explain()`` the list of broken rules with their indices (called
     only when ``ok`` fails), ``rule`` the one-sentence rule.
 
-    On the host -- when a bound is missing (it must be read anyway: one sync), or when the
-    tensors are on the CPU outside ``torch.compile`` (reading them costs nothing) -- every
-    failure is a ``ValueError`` from ``explain()``, whatever the arguments, and each check's
-    ``longest`` comes back as an int.  Otherwise (an accelerator with both bounds given, or a
-    compiled graph) each check is asserted on the device (no sync) and None is returned."""
+    On the host -- when the caller needs a value read anyway (``host_read_needed``: a
+    missing ``max_seqlen``, one sync), or when the tensors are on the CPU outside
+    ``torch.compile`` (reading them costs nothing) -- every failure is a ``ValueError`` from
+    ``explain()``, whatever the arguments, and each check's ``longest`` comes back as an
+    int.  Otherwise (an accelerator with nothing to read, or a compiled graph) each check is
+    asserted on the device (no sync) and None is returned."""
     device = checks[0][0].device
-    if bounds_given and (device.type != "cpu" or torch.compiler.is_compiling()):
+    if not host_read_needed and (device.type != "cpu" or torch.compiler.is_compiling()):
         for ok, _, _, rule in checks:
             torch._assert_async(ok, rule)
         return None

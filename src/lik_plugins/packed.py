@@ -198,7 +198,7 @@ def _check_on_device(cu_q, cu_d, pair_q, pair_d, rows_q, rows_d, max_q, max_d):
                        lambda: index_problems("pair_q_idx", pair_q, nq, "Nq") + index_problems("pair_d_idx", pair_d,
                                                                                              nd, "Nd"),
                        f"pair indices must lie in [0, Nq={nq}) and [0, Nd={nd})"))
-    longest = settle_checks(checks, bounds_given=max_q is not None and max_d is not None)
+    longest = settle_checks(checks, host_read_needed=max_q is None or max_d is None)
     if longest is not None:
         max_q = longest[0] if max_q is None else max_q
         max_d = longest[1] if max_d is None else max_d
@@ -258,11 +258,11 @@ def maxsim_padded(
             raise ValueError(f"{name} must have shape {shape}, got {tuple(lengths.shape)}")
         if lengths.device != queries.device:
             raise ValueError(f"{name} is on {lengths.device} but the embeddings are on {queries.device}")
-        # never a host sync on a GPU: as the offsets with both bounds given (settle_checks)
+        # never a host sync on a GPU (a ValueError naming the entry on the CPU)
         settle_checks([(((lengths >= 0) & (lengths <= bound)).all(), None,
                         lambda name=name, lengths=lengths, bound=bound: lengths_problems(name, lengths, bound),
                         f"{name} must lie in [0, {bound}]")],
-                      bounds_given=True)
+                      host_read_needed=False)
     q_mask = torch.arange(lq, device=queries.device) < query_lengths.unsqueeze(-1)
     d_mask = torch.arange(ld, device=documents.device) < doc_lengths.unsqueeze(-1)
     from .ops import _score

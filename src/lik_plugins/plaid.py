@@ -256,7 +256,7 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
     check = (*check_offsets("cu_seqlens_d", cu, n_tokens, max_seqlen_d),
              lambda: offsets_problems("cu_seqlens_d", cu, n_tokens, max_seqlen_d, "max_seqlen_d"),
              offsets_rule("cu_seqlens_d", n_tokens, max_seqlen_d, "max_seqlen_d"))
-    longest = settle_checks([check], bounds_given=max_seqlen_d is not None)  # no bound given: one host sync
+    longest = settle_checks([check], host_read_needed=max_seqlen_d is None)  # no bound given: one host sync
     if longest is not None:
         max_seqlen_d = longest[0]
     wants_grad = isinstance(Q, torch.Tensor) and Q.requires_grad and torch.is_grad_enabled()
