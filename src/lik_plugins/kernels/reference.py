@@ -322,18 +322,22 @@ def maxsim_from_hidden(Q, H_d, W, b=None, d_mask=None, *, normalize=True):
 
 
 # ------------------------------------------------------------------ packed (varlen) layouts
-def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    return list(zip(bounds[:-1], bounds[1:]))
+def _sequences(x: torch.Tensor | None, cu_seqlens: torch.Tensor) -> list:
+    """The sequences of packed ``x`` (``[None] * N`` for no ``x``): one split, so autograd
+    keeps one node for all of them (a slice per pair would make each pair's backward write
+    a zero gradient the size of the whole packed tensor)."""
+    bounds = [int(v) for v in cu_seqlens.tolist()]
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if x is None:
+        return [None] * len(sizes)
+    return list(torch.split(x.narrow(0, 0, bounds[-1]), sizes))
 
 
-def _packed_pair(Q, D, q_mask, d_mask, qs, ds, normalize, mask_mode) -> torch.Tensor:
-    """One query ``Q[qs]`` against one document ``D[ds]``, both unpadded: a scalar."""
-    qm = None if q_mask is None else q_mask[qs[0]:qs[1]].unsqueeze(0)
-    dm = None if d_mask is None else d_mask[ds[0]:ds[1]].unsqueeze(0)
-    q = Q[qs[0]:qs[1]].unsqueeze(0)
-    d = D[ds[0]:ds[1]].unsqueeze(0)
-    return maxsim(q, d, qm, dm, normalize=normalize, mask_mode=mask_mode)[0, 0]
+def _packed_pair(q, d, qm, dm, normalize, mask_mode) -> torch.Tensor:
+    """One query ``q [Lq, h]`` against one document ``d [Ld, h]``, both unpadded: a scalar."""
+    qm = None if qm is None else qm.unsqueeze(0)
+    dm = None if dm is None else dm.unsqueeze(0)
+    return maxsim(q.unsqueeze(0), d.unsqueeze(0), qm, dm, normalize=normalize, mask_mode=mask_mode)[0, 0]
 
 
 def maxsim_varlen(
@@ -350,12 +354,13 @@ def maxsim_varlen(
     """Reference of :func:`lik_plugins.maxsim_varlen`: every packed query against every
     packed document, each pair scored on its own unpadded tokens (so a document of no
     tokens scores 0, and padding never exists to take part in a max)."""
-    q_seg, d_seg = _segments(cu_seqlens_q), _segments(cu_seqlens_d)
-    rows = [torch.stack([_packed_pair(Q_packed, D_packed, q_mask, d_mask, qs, ds, normalize, mask_mode)
-                         for ds in d_seg]) if d_seg else _empty_scores(Q_packed, D_packed, 0)
-            for qs in q_seg]
+    qs, ds = _sequences(Q_packed, cu_seqlens_q), _sequences(D_packed, cu_seqlens_d)
+    qms, dms = _sequences(q_mask, cu_seqlens_q), _sequences(d_mask, cu_seqlens_d)
+    rows = [torch.stack([_packed_pair(q, d, qm, dm, normalize, mask_mode) for d, dm in zip(ds, dms)])
+            if ds else _empty_scores(Q_packed, D_packed, 0)
+            for q, qm in zip(qs, qms)]
     if not rows:
-        return _empty_scores(Q_packed, D_packed, len(d_seg)).reshape(0, len(d_seg))
+        return _empty_scores(Q_packed, D_packed, 0).reshape(0, len(ds))
     return torch.stack(rows)
 
 
@@ -374,8 +379,9 @@ def score_pairs_packed(
 ) -> torch.Tensor:
     """Reference of :func:`lik_plugins.score_pairs_packed`: ``[num_pairs]``, pair ``p``
     being query ``pair_q_idx[p]`` against document ``pair_d_idx[p]``."""
-    q_seg, d_seg = _segments(cu_seqlens_q), _segments(cu_seqlens_d)
-    scores = [_packed_pair(Q_packed, D_packed, q_mask, d_mask, q_seg[int(i)], d_seg[int(j)], normalize, mask_mode)
+    qs, ds = _sequences(Q_packed, cu_seqlens_q), _sequences(D_packed, cu_seqlens_d)
+    qms, dms = _sequences(q_mask, cu_seqlens_q), _sequences(d_mask, cu_seqlens_d)
+    scores = [_packed_pair(qs[i], ds[j], qms[i], dms[j], normalize, mask_mode)
               for i, j in zip(pair_q_idx.tolist(), pair_d_idx.tolist())]
     return torch.stack(scores) if scores else _empty_scores(Q_packed, D_packed, 0)
 
