@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import warnings
 import zlib
@@ -406,7 +407,7 @@ def report(runs: dict) -> str:
     lines.append(f"loss curves: {n} steps, largest |vanilla - patched| = {diff:.2e}")
     routed = {k: v for k, v in p.get("routing", {}).items() if k.startswith("pylate.")}
     lines.append(f"patched run routing: {routed}")
-    lines.append(f"path that ran: {expectation(routed)}")
+    lines += textwrap.wrap(f"path that ran: {expectation(routed)}", width=110, subsequent_indent="  ")
     return "\n".join(lines)
 
 
