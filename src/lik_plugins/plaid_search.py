@@ -17,7 +17,8 @@ synchronisation until the results are read back once:
 6. the top ``k``.
 
 Memory is bounded whatever the batch: queries are taken ``B`` at a time with ``B`` sized so
-that the centroid scores and the ``[B, N]`` candidate buffers fit :data:`WORKSPACE_BYTES`.
+that the centroid scores and the ``[B, N]`` candidate buffers fit :data:`WORKSPACE_BYTES`
+(the index's size, between 32 and 512 MiB).
 
 The index (:func:`load_fast_plaid_index`) is read from fast-plaid's files once per
 (folder, device, ``metadata.json`` modification time) and kept on the device: codes int32
@@ -43,8 +44,10 @@ __all__ = ["FastPlaidIndex", "load_fast_plaid_index", "plaid_search", "clear_ind
 logger = logging.getLogger(__name__)
 
 #: Device memory one batch of queries may use for its centroid scores and candidate
-#: buffers (the index itself excluded); the batch shrinks to fit, down to one query.
-WORKSPACE_BYTES = 512 << 20
+#: buffers (the index itself excluded): the index's own size, within these bounds -- a
+#: search's scratch stays below the index it searches; the batch shrinks to fit, down to
+#: one query.
+WORKSPACE_BYTES = (32 << 20, 512 << 20)
 # CUDA's limit on a grid's second dimension (the approximate-score kernel's queries)
 _MAX_GRID_Y = 65535
 
@@ -148,7 +151,8 @@ def _batch_size(index: FastPlaidIndex, lq: int, n_rerank: int) -> int:
     per_query = (index.centroids.shape[0] * lq * 2            # centroid scores, fp16
                  + index.n_docs * (1 + 4 + 4)                 # candidate mask, approx scores, top-k scratch
                  + n_rerank * 24)                             # pair lists, exact scores, top-k
-    return int(max(1, min(_MAX_GRID_Y, WORKSPACE_BYTES // max(per_query, 1))))
+    budget = min(max(index.nbytes, WORKSPACE_BYTES[0]), WORKSPACE_BYTES[1])
+    return int(max(1, min(_MAX_GRID_Y, budget // max(per_query, 1))))
 
 
 def _subset_masks(index: FastPlaidIndex, subset: list, device) -> tuple[torch.Tensor, torch.Tensor]:

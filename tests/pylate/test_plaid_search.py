@@ -160,6 +160,19 @@ def test_pylate_plaid_patched(pylate_plaid, monkeypatch):
     assert retriever.retrieve(queries_embeddings=queries, k=5) == theirs
     assert routing_counts()["pylate.PLAID.search"] == {"original": 1}
 
+    # PyLate's id mappings: unpickled once while unchanged, inside retrieval only
+    import pylate.indexes.fast_plaid as pylate_fast_plaid
+
+    loads = []
+    real_load = pylate_fast_plaid.pickle.load
+    monkeypatch.setattr(pylate_fast_plaid.pickle, "load", lambda fh: loads.append(1) or real_load(fh))
+    assert retriever.retrieve(queries_embeddings=queries, k=5) == theirs
+    assert len(loads) == 0                                     # the call above cached both
+    wrapper = index._index
+    assert wrapper._load_plaid_ids_to_documents_ids() is not wrapper._load_plaid_ids_to_documents_ids()
+    assert len(loads) == 2                                     # outside a search: PyLate's loader
+    monkeypatch.setattr(pylate_fast_plaid.pickle, "load", real_load)
+
     # ours (the kernels under the interpreter): same search, fast-plaid not called
     monkeypatch.setenv("LIK_BACKEND", "triton")
     calls = fast_plaid.searches

@@ -40,6 +40,11 @@ LOOPS = {"rerank": "pylate.rank.rank"}
 #: is installed.
 PLAID_SEARCH = ("fast_plaid.search", "FastPlaid", "search")
 
+#: PyLate's wrapper of fast-plaid (``indexes.PLAID``'s ``_index``): ``__call__`` unpickles the
+#: two id mappings on every search; ``(module, class, call, loaders)``, see :mod:`._plaid_search`.
+PLAID_MAPPINGS = ("pylate.indexes.fast_plaid", "FastPlaid", "__call__",
+                  ("_load_plaid_ids_to_documents_ids", "_load_documents_ids_to_plaid_ids"))
+
 #: Modules imported by the patcher so that every module-level copy of a scorer exists
 #: (``import pylate`` itself imports no submodule).  Missing ones are skipped: a few
 #: only exist in some releases or need optional dependencies.

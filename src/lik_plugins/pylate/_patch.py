@@ -129,6 +129,16 @@ def _apply(layout: layout_mod.PyLateLayout) -> None:
     if cls is not None and method in vars(cls) and not _already_patched(cls, method):
         original = vars(cls)[method]
         _ledger.set_attr(cls, method, lookalike(_plaid_search.make_search(original), original))
+    module_name, class_name, call, loaders = layout_mod.PLAID_MAPPINGS
+    module = layout_mod.import_optional(module_name)
+    cls = getattr(module, class_name, None) if module is not None else None
+    if cls is not None and call in vars(cls) and not _already_patched(cls, call):
+        original = vars(cls)[call]
+        _ledger.set_attr(cls, call, lookalike(_plaid_search.make_call(original), original))
+        for name in loaders:
+            if name in vars(cls):
+                original = vars(cls)[name]
+                _ledger.set_attr(cls, name, lookalike(_plaid_search.make_loader(original, name), original))
 
 
 def patch_pylate() -> layout_mod.PyLateLayout:

@@ -19,6 +19,13 @@ devices, ``LIK_DISABLE=1`` -- runs fast-plaid's own search.  ``batch_size`` (a f
 tuning knob; PyLate passes ``1 << 18``) does not change our memory: the search sizes its own
 query batches.
 
+PyLate's own wrapper (``pylate.indexes.fast_plaid.FastPlaid.__call__``) unpickles its two
+id mappings from disk on every search, which takes longer than our search of a 100k-document
+index for one query: while that call runs, :func:`make_call` has the two loaders return the
+mapping cached per file (path, modification time, size).  Only ``__call__`` (which reads them)
+sees the cached objects; ``add_documents`` / ``remove_documents``, which modify the mappings
+they load, get fresh ones from PyLate's loaders as before.
+
 Once ours has served an index, fast-plaid's copy of it on the device is released
 (``FastPlaid.indices``); fast-plaid reloads it from disk by itself if it is asked to search
 again (after ``unpatch_pylate()``, say): one copy of the index on the GPU, not two.
@@ -26,6 +33,7 @@ again (after ``unpatch_pylate()``, say): one copy of the index on the GPU, not t
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -121,3 +129,46 @@ def make_search(original):
         return [[(p, s) for p, s in zip(row_ids, row) if s != float("-inf")] for row_ids, row in zip(ids, scores)]
 
     return search
+
+
+_reading = threading.local()
+_mappings: dict = {}
+_mappings_lock = threading.Lock()
+
+
+def make_call(original):
+    """PyLate's ``FastPlaid.__call__``, with its id mappings read through the cache."""
+
+    def __call__(self, *args, **kwargs):
+        if disabled():
+            return original(self, *args, **kwargs)
+        _reading.active = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _reading.active = False
+
+    return __call__
+
+
+def make_loader(original, name: str):
+    """PyLate's mapping loader ``name`` (``_load_<mapping>``, reading ``self.<mapping>_path``):
+    inside ``__call__`` the object cached for that file while it is unchanged."""
+    attribute = name[len("_load_"):] + "_path"
+
+    def load(self):
+        path = getattr(self, attribute, None)
+        if not getattr(_reading, "active", False) or not isinstance(path, str) or not os.path.exists(path):
+            return original(self)
+        stat = os.stat(path)
+        key = (stat.st_mtime_ns, stat.st_size)
+        with _mappings_lock:
+            hit = _mappings.get(path)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        value = original(self)
+        with _mappings_lock:
+            _mappings[path] = (key, value)
+        return value
+
+    return load
