@@ -7,7 +7,7 @@ import pytest
 
 # "pylate.scores", not "pylate": without PyLate, this folder (tests/pylate, on sys.path through
 # tests/) would import as an empty namespace package named pylate.
-pytest.importorskip("pylate.scores", reason="PyLate is not installed (README "Install": PyLate beside your torch)")
+pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
 
 import pylate_tiny as tiny  # noqa: E402
 
