@@ -7,8 +7,8 @@ queries/s of one call with every query (batched), latency p50 / p90 / p99 of one
 call (and of fast-plaid's ``search`` alone, which PyLate calls after unpickling its id
 mappings), peak GPU memory of the batched search (the resident index included; fast-plaid's
 libtorch allocates through the same CUDA caching allocator), the share of queries whose
-top-10 list (and set) equals fast-plaid's (also: up to near ties, :data:`TIE`), and recall@10 of each against exact bf16 MaxSim
-over the whole corpus.
+top-10 list (and set) equals fast-plaid's (also: up to near ties, :data:`TIE`), and
+recall@10 of each against exact bf16 MaxSim over the whole corpus.
 
 Corpora:
 * ``synthetic``: ``--docs`` documents of 100-300 tokens drawn around a few topics each of a
@@ -204,7 +204,9 @@ def run_corpus(name: str, docs, queries, args, *, n_full_scores: int | None = No
         row["score_abs_diff_max"] = max((abs(u - v) for su, sv in zip(sa, sb) for u, v in zip(su, sv)), default=0.0)
         if args.exact:
             exact = exact_top(docs, queries, TOP_K, args.device)
-            recall = lambda got: sum(len(set(g) & set(e)) for g, e in zip(got, exact)) / (TOP_K * len(exact))  # noqa: E731
+            def recall(got):
+                return sum(len(set(g) & set(e)) for g, e in zip(got, exact)) / (TOP_K * len(exact))
+
             row["recall10_vs_exact_bf16"] = {"fast_plaid": recall(a), "lik_plugins": recall(b)}
     if "qps" in theirs and "qps" in ours:
         row["qps_ratio"] = ours["qps"] / theirs["qps"]
@@ -227,7 +229,9 @@ def markdown(rows: list, meta: dict) -> str:
              "|" + "---|" * 19]
     for r in rows:
         t, o = r["fast_plaid"], r["lik_plugins"]
-        f = lambda d, k, spec=".1f": format(d[k], spec) if k in d and d[k] is not None else d.get("error", "-")  # noqa: E731
+        def f(d, k, spec=".1f"):
+            return format(d[k], spec) if d.get(k) is not None else d.get("error", "-")
+
         rec = r.get("recall10_vs_exact_bf16")
         lines.append(
             f"| {r['corpus']} | {r['docs']} | {r['tokens']} | {r['nbits']} | {r['n_full_scores']} | {f(t, 'qps')} | "
