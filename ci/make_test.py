@@ -51,7 +51,7 @@ class Outcome:
 def parts(python: str) -> list[Part]:
     return [
         Part("test suite (.venv)", [python, "-m", "pytest", "-q", "-rs", "tests"], "pytest", {"TRITON_INTERPRET": "1"}),
-        Part("Metal kernels, C++ emulator", [python, "-m", "lik_plugins.kernels.metal.emulate"], "metal"),
+        Part("Metal kernels, C++ emulator", [python, "tools/metal_emulator/emulate.py"], "metal"),
         Part("sentence-transformers 6.x", ["bash", "ci/st6_env.sh"], "pytest"),
         Part("hosts' own test suites", [python, "ci/host_suites.py"], "hosts"),
         Part("install beside torch", [python, "ci/install_keeps_torch.py"], "install"),

@@ -10,6 +10,10 @@ between two calls in the same process.
                             ``auto``: CUDA tensors -> Triton, everything else -> chunked
                             torch.  ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``
                             (this is how CI runs the real kernels).
+``LIK_METAL=1``             MPS tensors take the Metal kernels (``kernels/metal``), which have
+                            never run on Apple hardware; unset, MPS tensors take the chunked
+                            torch path.  ``python -m lik_plugins.kernels.metal.selftest``
+                            checks them on a Mac.
 ``LIK_CHUNK_ELEMENTS``      element budget of one similarity chunk on the chunked path
                             (default 2**24, i.e. 64 MB of fp32 scratch).
 ``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
@@ -50,6 +54,11 @@ def _flag(name: str) -> bool:
 def disabled() -> bool:
     """``LIK_DISABLE=1``: route everything to the plain formulation / the host original."""
     return _flag("LIK_DISABLE")
+
+
+def metal_enabled() -> bool:
+    """``LIK_METAL=1``: opt in to the Metal kernels for MPS tensors."""
+    return _flag("LIK_METAL")
 
 
 def direct_launch_enabled() -> bool:

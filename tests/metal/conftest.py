@@ -1,7 +1,7 @@
 """Shared fixtures of the Metal tests: the C++ compiler the emulator needs."""
 import pytest
 
-from lik_plugins.kernels.metal import emulate
+from metal_emulator import emulate
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lik_plugins.kernels.metal import checks, emulate, launch
+from lik_plugins.kernels.metal import checks, launch
+from metal_emulator import emulate
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -49,7 +50,7 @@ def test_a_mutated_kernel_fails(compiler, tmp_path, name):
 
 
 def test_cli_exit_status(compiler, tmp_path):
-    cmd = [sys.executable, "-m", "lik_plugins.kernels.metal.emulate", "--quick", "--dtype", "fp32"]
+    cmd = [sys.executable, emulate.__file__, "--quick", "--dtype", "fp32"]
     good = subprocess.run(cmd, capture_output=True, text=True)
     assert good.returncode == 0, good.stdout + good.stderr
     for kernel in emulate.shipped_kernels():

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lik_plugins.kernels import chunked, reference
-from lik_plugins.kernels.metal import emulate, launch
+from lik_plugins.kernels.metal import launch
+from metal_emulator import emulate
 
 
 def _defines() -> dict[str, int]:

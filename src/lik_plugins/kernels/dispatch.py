@@ -7,9 +7,10 @@ Every registered op (``lik_plugins.library``) asks :func:`served_by` for a path 
 * ``"triton"``: CUDA tensors on compute capability 8.0+ (fp8 scoring: 8.9+), or CPU tensors
   under ``TRITON_INTERPRET=1`` when ``LIK_BACKEND=triton`` asks for the kernels (this is how
   CI runs them);
-* ``"metal"``: MPS tensors (Apple GPUs) where the Metal kernels compile
-  (``kernels/metal``); a compile failure or a device fault warns once, naming the reason,
-  and the chunked path serves that dtype from then on;
+* ``"metal"``: MPS tensors (Apple GPUs) under ``LIK_METAL=1`` where the Metal kernels
+  compile (``kernels/metal``); a compile failure or a device fault warns once, naming the
+  reason, and the chunked path serves that dtype from then on.  Opt-in because the kernels
+  have never run on Apple hardware: without the variable MPS tensors take the chunked path;
 * ``"torch-chunked"``: the bounded-memory PyTorch path, everywhere else;
 * ``"reference"``: ``LIK_DISABLE=1`` or ``LIK_BACKEND=reference`` -- the public ops run the
   plain formulation (:mod:`lik_plugins.kernels.reference`) themselves.
@@ -33,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._config import disabled, forced_backend, triton_interpret
+from .._config import disabled, forced_backend, metal_enabled, triton_interpret
 from .common import SMOOTH_FUSED_MAX_DIM
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -103,7 +104,8 @@ def served_by(t: torch.Tensor, op: str = "maxsim") -> str:
     if forced in ("torch-chunked", "reference"):
         return forced
     if not t.is_cuda and t.device.type == "mps":
-        return "metal" if op not in _NO_METAL_OPS and _metal_serves(t) else "torch-chunked"
+        metal = metal_enabled() and op not in _NO_METAL_OPS and _metal_serves(t)
+        return "metal" if metal else "torch-chunked"
     if op == "fp8":
         # the interpreter runs fp8 products too (CI covers the kernel without LIK_BACKEND)
         ok = _triton_serves(t, op)[0] and (t.is_cuda or triton_interpret())

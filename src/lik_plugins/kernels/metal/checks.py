@@ -1,5 +1,5 @@
-"""Correctness checks of the Metal launchers against the reference, shared by the CPU
-emulator (:mod:`.emulate`) and the Mac self-test (:mod:`.selftest`).
+"""Correctness checks of the Metal launchers against the reference, shared by the Mac
+self-test (:mod:`.selftest`) and the repository's CPU emulator (``tools/metal_emulator``).
 
 Each :class:`Case` builds fresh random inputs (masks with holes, a fully masked query and
 document where the sizes allow), runs the launchers of :mod:`.launch` forward and

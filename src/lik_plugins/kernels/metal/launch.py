@@ -6,7 +6,7 @@ dispatcher can treat this module as one more implementation.
 
 The shaders live in ``shaders/*.metal`` (package data) and are compiled on first use, one
 library per input dtype (fp16 / bf16 / fp32), prefixed by :func:`library_source`.  The
-same source runs under the CPU emulator (:mod:`lik_plugins.kernels.metal.emulate`):
+same source runs under the repository's CPU emulator (``tools/metal_emulator``):
 :func:`using_compiler` swaps the compiler, so every launcher here also runs on CPU tensors
 in tests.
 
@@ -84,7 +84,8 @@ _failures: dict[torch.dtype, str] = {}
 def using_compiler(compile_fn: Callable[[str], object], shader_dir: Path | str | None = None):
     """Within the block, libraries are built by ``compile_fn(source)`` from ``shader_dir``.
 
-    The emulator passes its CPU compiler here, so the launchers run on CPU tensors::
+    The emulator (``tools/metal_emulator``) passes its CPU compiler here, so the launchers
+    run on CPU tensors::
 
         with using_compiler(emulate.EmulatedLibrary):
             scores, argmax = forward(Q, D, None, None, cross=True, normalize=False,

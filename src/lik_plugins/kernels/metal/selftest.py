@@ -1,15 +1,15 @@
 """Self-test of the Metal kernels on a Mac: ``python -m lik_plugins.kernels.metal.selftest``.
 
-**This has never been run**: the package is developed without Apple hardware (the kernels
-are verified off-Mac by :mod:`.emulate`, which compiles the same shader source as C++).
+**This has never been run**: the package is developed without Apple hardware (off-Mac, CI
+compiles the same shader source as C++ with the repository's ``tools/metal_emulator``).
 The first Mac user who runs it confirms -- or reports -- that the real Metal compiler
 accepts the source and that the GPU gives the reference's numbers.
 
 What it does on an Apple GPU (MPS):
 
 1. correctness: every case of :func:`.checks.default_cases` in fp32 / fp16 / bf16 through
-   the Metal launchers on MPS, compared with the float64 reference on the CPU (the same
-   checks and tolerances as the emulator);
+   the Metal launchers on MPS, compared with the float64 reference on the CPU (the checks
+   and tolerances CI's emulator applies);
 2. timing: forward and forward+backward of a few realistic shapes, Metal vs the chunked
    PyTorch path (on MPS) vs eager PyTorch (the reference einsum formulation on MPS, with
    autograd), median of repeated runs, as a table of milliseconds and ratios.  The

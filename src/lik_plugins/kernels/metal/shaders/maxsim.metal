@@ -7,7 +7,7 @@
 //     typedef <half | bfloat | float> elem_t;      // the input dtype
 // so one library is built per input dtype.  Every product accumulates in fp32.
 //
-// The same text is compiled as C++ by the emulator (lik_plugins/kernels/metal/emulate.py),
+// The same text is compiled as C++ by the emulator (tools/metal_emulator/emulate.py),
 // which is why the kernels keep to a subset both compilers accept:
 //   * threadgroup memory is declared only at kernel scope (never as a helper parameter);
 //   * maths go through metal::-qualified functions; NaN tests are written `v != v`;
