@@ -12,8 +12,9 @@ synchronisation until the results are read back once:
 3. approximate score of every candidate from its codes (``sum_s max_t S[code_t, s]``);
 4. the ``max(n_full_scores // 4, 1)`` best candidates by that score (fast-plaid keeps the
    top ``n_full_scores`` and then decompresses the top quarter of those);
-5. their exact MaxSim against the decompressed, L2-normalised residual tokens, read in place
-   from the packed index by the residual kernel (pair list over the whole index);
+5. their exact MaxSim -- the query tokens as given against the decompressed, L2-normalised
+   residual tokens, fast-plaid's score -- read in place from the packed index by the residual
+   kernel (pair list over the whole index);
 6. the top ``k``.
 
 Memory is bounded whatever the batch: queries are taken ``B`` at a time with ``B`` sized so
@@ -210,7 +211,8 @@ def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: i
                            index.centroids.shape[0], index.nbits)
     exact = launch.varlen_forward(Q.reshape(nq * lq, -1), index.residuals, cu_q, index.doc_offsets,
                                   (pair_q, pair_d), None, None, max_q=lq, max_d=max(index.max_doclen, 1),
-                                  normalize=True, zero_mode=False, save_argmax=False, doc_format=fmt)[0]
+                                  normalize=True, zero_mode=False, save_argmax=False, doc_format=fmt,
+                                  q_scale=torch.ones(nq * lq, dtype=torch.float32, device=Q.device))[0]
     exact = exact.reshape(nq, n_keep).masked_fill(top_approx == float("-inf"), float("-inf"))
     # 6. top k
     scores, at = exact.topk(min(k, n_keep), dim=1)
@@ -223,9 +225,9 @@ def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_p
 
     Args:
         index: from :func:`load_fast_plaid_index` (on the device that computes).
-        Q: ``[Nq, Lq, d]`` query tokens, or ``[Lq, d]`` for one; rounded to fp16 as
-            fast-plaid rounds them.  The exact stage L2-normalises query tokens (fast-plaid
-            does not): give unit-norm tokens (ColBERT's) or zero padding tokens.
+        Q: ``[Nq, Lq, d]`` query tokens, or ``[Lq, d]`` for one; rounded to fp16 and used
+            as given (not normalised), as fast-plaid uses them; zero tokens (padding)
+            contribute 0.
         k: results per query.
         n_ivf_probe: centroids probed per query token.
         n_full_scores: candidates kept by approximate score; the best quarter of them

@@ -76,7 +76,8 @@ def _read(path: str):
 def search_float64(path: str, queries: torch.Tensor, top_k: int, n_ivf_probe: int, n_full_scores: int,
                    subset: list[list[int]] | None = None) -> list[list[tuple[int, float]]]:
     """fast-plaid's search, one query at a time, in float64 after fp16 rounding of the queries,
-    centroids and centroid scores (fast-plaid's own dtypes)."""
+    centroids and centroid scores (fast-plaid's own dtypes); the exact score takes the query
+    tokens as given and the decompressed tokens L2-normalised, as fast-plaid does."""
     centroids, weights, nbits, codes, residuals, offsets, ivf, ivf_offsets = _read(path)
     tokens = plaid.decompress(codes.to(torch.int32), residuals, centroids.double(), weights.double(), nbits)
     tokens = torch.nn.functional.normalize(tokens, dim=-1)
@@ -90,8 +91,7 @@ def search_float64(path: str, queries: torch.Tensor, top_k: int, n_ivf_probe: in
         approx = torch.stack([S[codes[offsets[p]:offsets[p + 1]]].max(0).values.sum() for p in cands.tolist()]) \
             if cands.numel() else torch.zeros(0, dtype=torch.float64)
         keep = approx.topk(min(max(n_full_scores // 4, 1), cands.numel())).indices
-        qn = torch.nn.functional.normalize(q.double(), dim=-1)
-        exact = torch.stack([(qn @ tokens[offsets[p]:offsets[p + 1]].T).max(1).values.sum()
+        exact = torch.stack([(q.double() @ tokens[offsets[p]:offsets[p + 1]].T).max(1).values.sum()
                              for p in cands[keep].tolist()]) if keep.numel() else torch.zeros(0, dtype=torch.float64)
         order = exact.argsort(descending=True)[:top_k]
         results.append([(int(cands[keep][i]), float(exact[i])) for i in order.tolist()])

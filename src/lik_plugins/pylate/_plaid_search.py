@@ -12,8 +12,7 @@ unchanged.
 Ours serves when the index is searched on one CUDA device (or on the CPU under
 ``LIK_BACKEND=triton``, the interpreter's tests), ``low_memory`` is off (the user asked for
 the documents to stay in host memory), the queries are a 3-D tensor or a list of 2-D / 3-D
-tensors whose tokens are unit-norm or zero (ColBERT's: the exact stage normalises query
-tokens, fast-plaid does not) and ``PYLATE_SCORES_BACKEND`` is not ``torch`` / ``flash``.
+tensors and ``PYLATE_SCORES_BACKEND`` is not ``torch`` / ``flash``.
 Everything else -- a CPU index (fast-plaid's threads are the faster path there), several
 devices, ``LIK_DISABLE=1`` -- runs fast-plaid's own search.  ``batch_size`` (a fast-plaid
 tuning knob; PyLate passes ``1 << 18``) does not change our memory: the search sizes its own
@@ -43,8 +42,6 @@ from ..kernels.dispatch import served_by
 from . import _scores
 
 ENTRY = "pylate.PLAID.search"
-# |norm - 1| allowed for a query token counted as unit-norm (fp16 rounding of normalised tokens)
-UNIT_NORM_TOLERANCE = 1e-2
 
 
 def _normalised_subset(subset, n_queries: int):
@@ -88,12 +85,6 @@ def _our_device(fast_plaid) -> torch.device | None:
     return None
 
 
-def _unit_or_zero(Q: torch.Tensor) -> bool:
-    norms = torch.linalg.vector_norm(Q.float(), dim=-1)
-    off = torch.where(norms == 0, 0.0, (norms - 1).abs())
-    return bool(off.max() <= UNIT_NORM_TOLERANCE) if off.numel() else True    # one host sync a call
-
-
 def _release_host_copy(fast_plaid) -> None:
     lock = getattr(fast_plaid, "_index_swap_lock", None)
     indices = getattr(fast_plaid, "indices", None)
@@ -110,8 +101,7 @@ def make_search(original):
                n_ivf_probe: int = 8, show_progress: bool = True, subset=None, n_processes=None):
         device = _our_device(self)
         Q = _queries(queries_embeddings) if device is not None else None
-        if Q is None or not os.path.exists(os.path.join(self.index, "metadata.json")) \
-                or not _unit_or_zero(Q.to(device)):
+        if Q is None or not os.path.exists(os.path.join(self.index, "metadata.json")):
             _routing.record(ENTRY, "original")
             return original(self, queries_embeddings, top_k=top_k, batch_size=batch_size,
                             n_full_scores=n_full_scores, n_ivf_probe=n_ivf_probe, show_progress=show_progress,

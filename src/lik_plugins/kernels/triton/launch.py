@@ -754,13 +754,15 @@ def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, n
 
 # --------------------------------------------------------------------------- packed layouts
 def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, normalize, zero_mode, save_argmax,
-                   doc_format: DocFormat | None = None):
+                   doc_format: DocFormat | None = None, q_scale: torch.Tensor | None = None):
     """Packed MaxSim on the forward kernel (``VARLEN``; ``PAIRS`` for a pair list), same
     signature and outputs as :func:`lik_plugins.kernels.chunked.varlen_forward`.  The query
     blocking comes from ``max_q`` (a bound: shorter queries leave rows idle); each
     document's tile loop runs to its own length, so ``max_d`` only sizes the winners.
     ``doc_format``: packed documents that are not float tokens (:class:`DocFormat`, its
-    ``a0`` packed like ``D``: token stride ``a0_strides[2]``), built in the tile load."""
+    ``a0`` packed like ``D``: token stride ``a0_strides[2]``), built in the tile load.
+    ``q_scale``: fp32 ``[query rows]`` factors that replace the queries' inverse norms under
+    ``normalize`` (ones: documents normalised, queries as given -- fast-plaid's PLAID score)."""
     device = Q.device
     dim = Q.shape[-1]
     nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
@@ -786,7 +788,8 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     else:
         placeholder = _placeholder(device, torch.float32)
         qm, dm = _mask_bytes(q_mask, device), _mask_bytes(d_mask, device)
-        rq = inverse_norms(Q) if normalize and not _documents_only(doc_format) else placeholder
+        rq = (inverse_norms(Q) if q_scale is None else q_scale) if normalize and not _documents_only(doc_format) \
+            else placeholder
         rd = inverse_norms(D) if normalize and not built else placeholder
         index = _placeholder(device, torch.int32)
         pair_q, pair_d = pairs if pairs is not None else (index, index)
