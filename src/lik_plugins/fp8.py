@@ -69,11 +69,9 @@ as_tokens = functools.partial(as_tokens_of, FP8)
 
 
 # Largest re-quantisation the fused path may do: every program quantises its own query
-# rows, i.e. about (documents per query) x (query elements) in all.  On an H100
-# (docs/performance-notes.md) fusing saved a launch on rerank
-# 1x1000 (4M elements: 0.226 -> 0.067 ms) but the round-to-nearest divisions, repeated per
-# document, cost more than the launch on search 64x4096 (1G elements: 0.79 -> 2.89 ms) and a
-# 1024-token query against 2000 documents (262M: 0.69 -> 1.43 ms).
+# rows, i.e. about (documents per query) x (query elements) in all.  Fusing saves a launch,
+# which decides a small rerank; the round-to-nearest divisions, repeated per document, cost
+# more than that launch on search-sized calls (docs/performance-notes.md, fp8).
 FUSED_QUANTISATION_ELEMENTS = 1 << 24
 
 

@@ -10,8 +10,8 @@ The loop runs to the document's own length (padding is never read).  The running
 ``[BLOCK_T, Lq]`` tile updated elementwise with the NaN-keeping max (one instruction), and
 reduced over tokens once at the end; the reduction's hardware max drops NaN, so a NaN left in
 the tile poisons the document's score beside it, as the specification's max does.  (A
-per-tile reduction with a NaN test beside it cost 1.3-1.6x more; the NaN-propagating max as
-a custom reduction made the kernel issue-bound: 172 us on an H100 for 1 x 10k documents.)
+per-tile reduction with a NaN test beside it cost more; the NaN-propagating max as a custom
+reduction made the kernel issue-bound: docs/performance-notes.md, PLAID.)
 """
 from __future__ import annotations
 
@@ -22,11 +22,8 @@ import triton.language as tl
 from .direct import launch
 from .tuning import next_pow2
 
-# 32 tokens a tile on one warp.  1 x 10k documents (C 16384, Lq 32), each candidate kernel
-# timed with triton.testing.do_bench in 5 interleaved rounds on an H200: 39.2 us for 150-300
-# tokens a document and 48.9 us for 300, against 45.9 / 58.0 at 64 tokens on 2 warps, 51.6 /
-# 63.5 at 128 on 4, and late-interaction-kernels' 53.2 / 57.2 (the per-tile reduction before:
-# 56.2-103.9 us).
+# 32 tokens a tile on one warp: the fastest of 32 / 64 / 128-token tiles on 1 / 2 / 4 warps
+# for one query against 10k documents (docs/performance-notes.md, PLAID).
 BLOCK_T = 32
 NUM_WARPS = 1
 

@@ -11,15 +11,14 @@
   fp32 buffer, bitwise deterministic, written once in the input dtype.  With ``COMPACT``
   (cross product) a program first lists the rows that picked a token of its tile (two
   scans of the document's winners, the list in global memory), so the one-hot product
-  walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``: 3.5-6.6x faster on an H100.
-  (Compacting in registers, a [hits x rows] comparison per round, measured 1.3-3x
-  slower than the dense walk, and sorting each document's rows first -- ``tl.sort`` or a
-  two-launch counting sort -- cost more than it saved: docs/performance-notes.md.)
+  walks ``Nq*Lq*BLOCK_T/Ld`` rows instead of all ``Nq*Lq``.  (Compacting in registers,
+  a [hits x rows] comparison per round, was slower than the dense walk, and sorting each
+  document's rows first -- ``tl.sort`` or a two-launch counting sort -- cost more than it
+  saved: docs/performance-notes.md, Backward.)
 * :func:`maxsim_bwd_winners_kernel` — ``lowmem`` for candidates and pairs: each document
   is owned by one query, so grad_D is zero-filled (memset speed) and only its winning rows
-  are written, duplicates summed by a tiny equality-matrix MMA (one writer per row).  On an
-  H100 the one-hot tile product above ran at 1.7x the time of the zero-fill alone on
-  256 x 16 hard negatives (docs/performance-notes.md).
+  are written, duplicates summed by a tiny equality-matrix MMA (one writer per row): the
+  one-hot tile product above costs more than the zero-fill does here.
 * :func:`project_rows_kernel` — the normalisation Jacobian for an fp32 buffer.
 
 With ``NORMALIZE`` the kernels work on ``dL/dx_hat`` and apply
@@ -73,8 +72,7 @@ def _gather_walk(
     # BLOCK_J documents per step, unrolled: BLOCK_J * BLOCK_S independent row gathers in
     # flight instead of one dependent (argmax -> row) load chain per document.  Each
     # document is its own [BLOCK_S, D_PAD] tile: one 3-D [BLOCK_J, BLOCK_S, D_PAD] tile
-    # summed over its first axis measured 3-6x slower at BLOCK_J >= 4 on an H100 (the
-    # sum crossed warps; docs/performance-notes.md).  grad_Q accumulates in ``b_acc``; with SCATTER_D,
+    # summed over its first axis is slower at BLOCK_J >= 4 (the sum crosses warps).  grad_Q accumulates in ``b_acc``; with SCATTER_D,
     # ``g * q`` goes to GD32 (document ``j`` at ``j - gd_j0``) with relaxed atomics.
     # VARLEN (packed documents, zero document strides): document ``j`` starts at packed row
     # CU_D[j] -- or CU_D[PAIR_D[i_q]] for PAIRS, where ``i_q`` is a pair with one document --
@@ -178,7 +176,7 @@ def _one_hot_round(b_acc, b_a, i_q, i_s, m_r, o_t, o_h, m_h, i_j, G, Q, RQ, lq, 
     if GUARD_ROWS:
         # rows without a winner (masked query tokens): 0 * NaN must not leak.  Only
         # with a query mask: the select sends the rows through registers and back to
-        # shared memory, which cost 40 % on an H100 (docs/performance-notes.md)
+        # shared memory, a large share of the kernel's time
         b_q = tl.where((b_a >= 0)[:, None], b_q, 0.0)
     if F32_DOT or UPCAST:
         b_q = b_q.to(tl.float32)

@@ -59,7 +59,7 @@ def _quantize(x, dtype, limit, *, to_int, cast_on_host):
     d_pad = max(16, next_pow2(dim))
     block_r = max(1, min(64, 8192 // d_pad))
     # the static key fixes every non-tensor argument: a repeated query shape skips featurising
-    # the arguments (the int8 rerank's second launch; ~10 us of the device machine's host)
+    # the arguments (the int8 rerank's second launch, whose host time decides that call)
     launch(quantize_rows_kernel, (cdiv(n_rows, block_r),),
            (rows, values, scales, n_rows, dim, rows.stride(0), rows.stride(1)),
            dict(BLOCK_R=block_r, D_PAD=d_pad, QUANT_LIMIT=limit, TO_INT=to_int, CAST_ON_HOST=cast_on_host),

@@ -46,7 +46,7 @@ def next_pow2(n: int) -> int:
 
 
 def cdiv(a: int, b: int) -> int:
-    # not triton.cdiv: that is a JIT function, and calling it from the host costs ~10 us
+    # not triton.cdiv: that is a JIT function, and calling one from the host is slow
     return -(-a // b)
 
 
@@ -61,8 +61,8 @@ def size_class(n_programs: int) -> int:
     """Launch size class of the forward's autotuning: programs in factors of 8 from 2^12
     (0 below 4096, then 4096-32767, 32768-262143, ...).  A rerank of 1000 documents and
     one of 100k share every other key field, but the first is bound by latency and the
-    second by HBM: tuned on the first, the second ran 2.45 ms on the H100 instead of
-    2.40 (docs/performance-notes.md).  Training batches of one size stay in one class."""
+    second by HBM, and a config tuned on the first is slower on the second
+    (docs/performance-notes.md, Forward).  Training batches of one size stay in one class."""
     return 0 if n_programs < 4096 else ((n_programs.bit_length() - 1) - 12) // 3 + 1
 
 
@@ -158,8 +158,8 @@ def _default_forward(block_m: int, block_k: int, d_pad: int, dtype) -> dict:
     block_n = 64 if d_pad <= 256 and elem <= 2 else 32
     stages = 3
     # _smem_bytes is the autotuner's estimate (it skips a config that does not fit); with no
-    # sweep to catch a miss, keep a margin: fp32 at 128 x 64 x 128 and 3 stages estimated
-    # 192 KiB and needed 256 on the H100
+    # sweep to catch a miss, keep a margin: the estimate has fallen short of what a
+    # compiled fp32 config needed (docs/performance-notes.md, Host path)
     while stages > 1 and 1.4 * _smem_bytes(block_m, block_n, block_k, stages, elem) > _smem_budget() - 8 * 1024:
         stages -= 1
     return {"BLOCK_N": block_n, "num_warps": 8 if block_m >= 256 else 4, "num_stages": stages}
@@ -263,8 +263,8 @@ def export_table(path: str, arch: str) -> int:
 def _doc_configs():
     return [
         triton.Config({"BLOCK_T": t, "BLOCK_R": r}, num_warps=w, num_stages=st)
-        # the H100 sweep (docs/performance-notes.md): tall token tiles and K >= 64 won every
-        # cross shape; narrower tiles stay for wide embeddings (the accumulator must fit)
+        # tall token tiles and K >= 64 won every cross shape of the sweep behind the sm90
+        # table; narrower tiles stay for wide embeddings (the accumulator must fit)
         for t in (32, 64, 128)
         for r in (64, 128)
         for w in (4, 8)
