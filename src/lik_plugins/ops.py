@@ -125,7 +125,7 @@ def maxsim_from_hidden(
     query embeddings.
 
     Args:
-        Q: ``[Nq, Lq, d]`` query token embeddings.
+        Q: ``[Nq, Lq, d]`` query token embeddings, or ``[Lq, d]`` for one query.
         H_d: ``[Nd, Ld, h]`` document hidden states (the encoder's output), Q's dtype.
         W: ``[d, h]`` projection (``nn.Linear(h, d).weight``); ``b``: ``[d]`` or None.
         d_mask: ``[Nd, Ld]`` bool or 0/1, non-zero = valid (excluded otherwise; a document
@@ -134,8 +134,8 @@ def maxsim_from_hidden(
             gradient into ``Q`` has no normalisation Jacobian).
 
     Returns:
-        ``[Nq, Nd]`` float32 (float64 for float64 inputs).  Gradients flow into whichever of
-        ``Q``, ``H_d``, ``W``, ``b`` require them: the backward gathers the hidden states at
+        ``[Nq, Nd]`` float32 (float64 for float64 inputs; ``[Nd]`` for a 2-D ``Q``).
+        Gradients flow into whichever of ``Q``, ``H_d``, ``W``, ``b`` require them: the backward gathers the hidden states at
         the winning positions only (each distinct one once) and projects them again; fully
         masked documents get exact zero gradients.
 
@@ -144,6 +144,9 @@ def maxsim_from_hidden(
         >>> head = torch.nn.Linear(768, 128)
         >>> scores = maxsim_from_hidden(Q, H, head.weight, head.bias, d_mask)
     """
+    single = isinstance(Q, torch.Tensor) and Q.dim() == 2      # one query, as late-interaction-kernels takes it
+    if single:
+        Q = Q.unsqueeze(0)
     check_tensor("Q", Q, 3)
     check_tensor("H_d", H_d, 3)
     check_tensor("W", W, 2)
@@ -163,8 +166,10 @@ def maxsim_from_hidden(
     if _reference_requested():
         _routing.record("maxsim_from_hidden", "reference")
         out = reference.maxsim_from_hidden(Q, H_d, W, b, d_mask, normalize=normalize)
-        return out if out.dtype == torch.float64 else out.float()
-    return library.maxsim_hidden(Q, H_d, W, b, d_mask, normalize=bool(normalize), entry="maxsim_from_hidden")
+        out = out if out.dtype == torch.float64 else out.float()
+    else:
+        out = library.maxsim_hidden(Q, H_d, W, b, d_mask, normalize=bool(normalize), entry="maxsim_from_hidden")
+    return out.squeeze(0) if single else out
 
 
 def retrieve(

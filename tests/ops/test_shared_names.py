@@ -45,6 +45,10 @@ def test_maxsim_from_hidden_normalises_the_documents_only(gen, monkeypatch, back
     # the other meaning (queries normalised too) is far from these scores
     both = reference.maxsim(F.normalize(Q64.detach(), dim=-1), docs, None, dm)
     assert rel_err(both, want) > 0.1
+    # one query as [Lq, d], as the peer takes it: [Nd] scores, that query's row
+    with torch.no_grad():
+        one = lik.maxsim_from_hidden(Q[1], H, W, b, dm)
+    assert one.shape == (4,) and rel_err(one, want[1]) < 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
