@@ -1,0 +1,69 @@
+"""benchmarks/collect_results.py on a made-up results folder: one long-format CSV per device
+folder, readers chosen by the JSON's layout, unknown layouts reported (not guessed), and the
+rows of result files that have left the tree kept on a re-run."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("collect_results", ROOT / "benchmarks" / "collect_results.py")
+collect_results = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(collect_results)
+
+
+def _kernels_json(times):
+    rows = [{"shape": {"name": "search 64x4096"}, "impl": "lik_plugins", "run": i, "ms": t, "peak_mb": 1.5,
+             "rel_err": 3e-7, "roofline": 0.7} for i, t in enumerate(times)]
+    rows.append({"shape": {"name": "search 64x4096"}, "impl": "flash-maxsim", "run": 0, "error": "skipped"})
+    return {"meta": {"device": "GPU X", "torch": "2.0", "triton": "3.0", "date": "2026-01-02 10:00",
+                     "command": "python benchmarks/bench_kernels.py OUT", "flash_maxsim": "0.3.0"}, "rows": rows}
+
+
+def _read(path: Path) -> list[dict]:
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_one_csv_per_device_with_spread_command_and_source(tmp_path, capsys):
+    day = tmp_path / "gpux" / "2026-01-02"
+    day.mkdir(parents=True)
+    (day / "kernels.json").write_text(json.dumps(_kernels_json([1.25, 1.0, 1.5])))
+    (day / "packed.json").write_text(json.dumps({"meta": {"device": "GPU X", "command": "bench_packed"}, "rows": [
+        {"case": "pair list 10000", "impl": "lik_plugins", "ms": 0.167, "iqr_ms": 0.002, "peak_mib": 0.0}]}))
+    (day / "odd.json").write_text(json.dumps({"something": [1, 2, 3]}))
+
+    assert collect_results.main([str(tmp_path)]) == 0
+    rows = _read(tmp_path / "gpux.csv")
+    assert list(rows[0]) == list(collect_results.COLUMNS)
+    time = [r for r in rows if r["benchmark"] == "kernels" and r["metric"] == "time"]
+    assert len(time) == 1   # the best of three runs, as the kernel table takes it; the failed peer has no row
+    assert time[0]["value"] == "1.0" and time[0]["spread"] == "3 runs 1-1.5 ms"
+    assert time[0]["date"] == "2026-01-02" and time[0]["device"] == "GPU X"
+    assert time[0]["command"] == "python benchmarks/bench_kernels.py OUT"
+    assert time[0]["source_file"].endswith("gpux/2026-01-02/kernels.json")
+    packed = [r for r in rows if r["benchmark"] == "packed" and r["metric"] == "time"]
+    assert packed[0]["spread"] == "IQR 0.002 ms" and packed[0]["date"] == "2026-01-02"
+    assert not [r for r in rows if r["benchmark"] == "odd"]
+    assert "no reader for" in capsys.readouterr().err
+
+
+def test_rows_of_removed_files_survive_a_rerun(tmp_path):
+    day = tmp_path / "gpux" / "2026-01-02"
+    day.mkdir(parents=True)
+    kept = day / "kernels.json"
+    kept.write_text(json.dumps(_kernels_json([2.0])))
+    gone = day / "kernels_before.json"
+    gone.write_text(json.dumps(_kernels_json([3.0])))
+    assert collect_results.main([str(tmp_path)]) == 0
+    first = _read(tmp_path / "gpux.csv")
+
+    gone.unlink()
+    kept.write_text(json.dumps(_kernels_json([1.0])))   # a re-measured run replaces its rows
+    assert collect_results.main([str(tmp_path)]) == 0
+    second = _read(tmp_path / "gpux.csv")
+    assert len(second) == len(first)
+    times = {r["benchmark"]: r["value"] for r in second if r["metric"] == "time"}
+    assert times == {"kernels": "1.0", "kernels_before": "3.0"}
