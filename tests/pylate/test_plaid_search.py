@@ -145,6 +145,11 @@ def pylate_plaid(tmp_path, monkeypatch):
     from lik_plugins.pylate import unpatch_pylate
 
     unpatch_pylate()
+    # the stand-in must not outlive this test (a later patch_pylate() would find it)
+    for name in [n for n in sys.modules if n == "fast_plaid" or n.startswith("fast_plaid.")
+                 or n == "pylate.indexes.fast_plaid"]:
+        del sys.modules[name]
+    monkeypatch.delattr(sys.modules["pylate.indexes"], "fast_plaid", raising=False)
 
 
 def test_pylate_plaid_patched(pylate_plaid, monkeypatch):
