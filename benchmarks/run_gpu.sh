@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|realloop|coldstart|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|rerank|realloop|coldstart|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   src/lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
 #   coldstart = benchmarks/coldstart.py and PyLate's real loop cold / precompiled / torch, one call;
@@ -69,6 +69,15 @@ fi
 if [[ $stage == compressed || $stage == all ]]; then
   timeout 300 python3 benchmarks/bench_compressed.py "$OUT/compressed" --reps 20 "$@" > "$OUT/compressed.log" 2>&1
   grep '^|' "$OUT/compressed.log" | grep -v decompress
+fi
+if [[ $stage == rerank ]]; then
+  # the hosts' reranking entry points, ours against their own backends (benchmarks/bench_rerank.py);
+  # sentence-transformers 6 (not PyLate's pinned 5.x) from .whl/st6 for its stage
+  host_env
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_listed.py 2>&1 | tail -3 | tee "$OUT/listed_tests.log"
+  timeout 360 python3 benchmarks/bench_rerank.py "$OUT/rerank" --only pylate,colpali "$@" 2>&1 | tail -16
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/st6 .whl/st6/*.whl || exit 1
+  PYTHONPATH=/tmp/st6:$PYTHONPATH timeout 150 python3 benchmarks/bench_rerank.py "$OUT/rerank_st" --only st "$@" 2>&1 | tail -6
 fi
 if [[ $stage == host ]]; then
   timeout 200 python3 benchmarks/host_overhead.py "$OUT" "$@" 2>&1 | tail -12
