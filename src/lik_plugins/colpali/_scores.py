@@ -103,23 +103,19 @@ def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
     from ..kernels.triton.listed import candidate_table, score_listed
 
     dim, dtype = first.shape[1], first.dtype
-    lengths = [p.shape[0] for p in passages]
-    longest = [max(lengths[j0:j0 + batch_size]) for j0 in range(0, len(lengths), batch_size)]
-    table = candidate_table(passages, dtype, dim, target, extra=longest)
+    table = candidate_table(passages, dtype, dim, target, extra=[q.shape[0] for q in queries])
     if isinstance(table, str):
         return None
+    lengths = table.host_lengths
+    longest = [max(lengths[j0:j0 + batch_size]) for j0 in range(0, len(lengths), batch_size)]
     nq, n_p = len(queries), len(passages)
     Q = torch.cat([q.to(target) for q in queries])
     cu_q = torch.zeros(nq + 1, dtype=torch.int64, device=target)
-    torch.cumsum(torch.tensor([q.shape[0] for q in queries]).to(target), 0, out=cu_q[1:])
+    torch.cumsum(table.extra, 0, out=cu_q[1:])
     chunk = torch.arange(n_p, device=target) // batch_size
-    pad = table.lengths < table.extra[chunk]
-    # pair p = passage p // n_q against query p % n_q: a passage's queries run side by side
-    # (its tokens read from L2 after the first)
-    with torch.no_grad():
-        flat = score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc,
-                            table.addresses.repeat_interleave(nq), table.lengths.repeat_interleave(nq),
-                            torch.arange(nq, device=target).repeat(n_p), pad.repeat_interleave(nq),
-                            table.aligned)
-    scores = flat.to(dtype).view(n_p, nq).t().contiguous().cpu().to(torch.float32)
+    pad = table.lengths < torch.tensor(longest).to(target, non_blocking=True)[chunk]
+    with torch.no_grad():   # every query against every passage: [n_q, n_p]
+        scores = score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc, table.addresses,
+                              table.lengths, None, pad)
+    scores = scores.to(dtype).cpu().to(torch.float32)
     return scores, path

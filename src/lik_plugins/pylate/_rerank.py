@@ -24,9 +24,9 @@ The rule (same rankings as PyLate's at the embeddings' precision):
 
 Where it runs: on the devices the Triton kernels serve (CUDA; the CPU under
 ``TRITON_INTERPRET=1`` with ``LIK_BACKEND=triton``).  Everywhere else (a plain CPU, MPS)
-PyLate's own loop runs, recorded as ``original`` in :func:`lik_plugins.routing_counts`:
-on a CPU it was measured faster than any packed path (``docs/performance-notes.md``), and
-its ``colbert_scores`` calls are still served by the patch.  Anything this cannot read in
+PyLate's own loop runs, its ``colbert_scores`` calls included, recorded as ``original`` in
+:func:`lik_plugins.routing_counts`: on a CPU it was measured faster than the packed path
+(``docs/performance-notes.md``).  Anything this cannot read in
 place exactly (mixed dtypes or devices, non-contiguous candidates, an empty candidate list,
 more candidates than ids, ...) runs PyLate's own ``rerank`` too (which raises its own errors),
 under the same backend rules as the scoring adapters (``PYLATE_SCORES_BACKEND`` /
@@ -58,6 +58,14 @@ def rerank(documents_ids, queries_embeddings, documents_embeddings, device=None)
         record(ENTRY, "original")
         return original(*args)
     plan = _prepare(layout, *args)
+    if isinstance(plan, _HostLoop):
+        # PyLate's loop, all of it (its colbert_scores too): the faster path here
+        record(ENTRY, "original")
+        _scores.host_loop.active = True
+        try:
+            return original(*args)
+        finally:
+            _scores.host_loop.active = False
     if isinstance(plan, _Fallback):
         if choice == "lik" and plan.strict:
             raise RuntimeError(f"backend='lik': lik_plugins cannot serve this rerank call ({plan.reason})")
@@ -66,6 +74,10 @@ def rerank(documents_ids, queries_embeddings, documents_embeddings, device=None)
     path, run = plan
     record(ENTRY, path)
     return run()
+
+
+class _HostLoop(_Fallback):
+    """Where the kernels do not run: PyLate's own loop, measured faster on a CPU."""
 
 
 def _as_queries(queries_embeddings):
@@ -99,43 +111,43 @@ def _prepare(layout, documents_ids, queries_embeddings, documents_embeddings, de
     probe = first.to(target) if first.device != target else first
     path = _scores._ops().served_by(probe)
     if path != "triton":
-        # PyLate's loop (its colbert_scores served by the patch) measured faster on a CPU
-        return _Fallback(f"candidate lists are scored in place by the Triton kernels only ({path} here)",
+        return _HostLoop(f"candidate lists are scored in place by the Triton kernels only ({path} here)",
                          strict=False)
     from ..kernels.triton.listed import candidate_table
 
     counts = [len(docs) for docs in candidates]
-    lengths = [[d.shape[0] for d in docs] for docs in candidates]
-    longest = [max(n) for n in lengths]
-    if min(longest) == 0:
-        return _Fallback("a candidate list of empty documents", strict=False)
     flat = [d for docs in candidates for d in docs]
-    table = candidate_table(flat, dtype, dim, target,
-                            extra=[q.shape[0] for q in queries] + counts + longest)
+    table = candidate_table(flat, dtype, dim, target, extra=[q.shape[0] for q in queries] + counts)
     if isinstance(table, str):
         return _Fallback(table, strict=False)
+    lengths, start, longest = table.host_lengths, 0, []
+    for n in counts:
+        longest.append(max(lengths[start:start + n]))
+        start += n
+    if min(longest) == 0:
+        return _Fallback("a candidate list of empty documents", strict=False)
 
     def run():
-        return _rerank_listed(queries, table, counts, [ids for _, ids, _ in groups], target)
+        return _rerank_listed(queries, table, counts, longest, [ids for _, ids, _ in groups], target)
 
     return path, run
 
 
-def _rerank_listed(queries, table, counts, ids, target):
+def _rerank_listed(queries, table, counts, longest, ids, target):
     from ..kernels.triton.listed import score_listed
 
     nq, dtype = len(queries), queries[0].dtype
-    q_lens, n_cands, longest = table.extra[:nq], table.extra[nq:2 * nq], table.extra[2 * nq:]
+    q_lens, n_cands = table.extra[:nq], table.extra[nq:]
     total = len(table.addresses)
     Q = torch.cat([q.to(target) for q in queries])
     cu_q = torch.zeros(nq + 1, dtype=torch.int64, device=target)
     torch.cumsum(q_lens, 0, out=cu_q[1:])
     query_index = torch.repeat_interleave(torch.arange(nq, device=target), n_cands, output_size=total)
     # PyLate's zero padding joins the max of every candidate shorter than its list's longest
-    pad = table.lengths < longest[query_index]
+    pad = table.lengths < torch.tensor(longest).to(target, non_blocking=True)[query_index]
     with torch.no_grad():
         flat = score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc, table.addresses,
-                            table.lengths, query_index, pad, table.aligned)
+                            table.lengths, query_index, pad)
     flat = flat.to(dtype)            # PyLate's scores are in the embeddings' dtype
     # each list sorted by the very call PyLate makes on it (module docstring: ties)
     parts = [torch.sort(part, descending=True) for part in torch.split(flat, counts)]

@@ -21,6 +21,7 @@ backend (late-interaction-kernels) or PyLate's own error.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -97,10 +98,17 @@ def _call_unpatched(entry: str, original: Callable, args: tuple, backend: str | 
     return original(*args) if backend is None else original(*args, backend=backend)
 
 
+#: ``active`` while PyLate's own ``rerank`` loop serves a call where it is the faster path
+#: (:mod:`._rerank`): its ``colbert_scores`` calls then run PyLate's code as well.
+host_loop = threading.local()
+
+
 def _dispatch(entry: str, name: str, args: tuple, backend: str | None, prepare: Callable, original=None) -> Any:
     layout = _layout
     if original is None:
         original = layout.originals[name]
+    if getattr(host_loop, "active", False):
+        return _call_unpatched(entry, original, args, backend)
     if not _active or disabled():
         return _call_unpatched(entry, original, args, backend)
     choice = requested_backend(backend)

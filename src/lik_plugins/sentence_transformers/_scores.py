@@ -212,14 +212,10 @@ def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     with torch.no_grad():
         if pairwise:
             scores = score_listed(Q, cu_q, max_q, table.doc, table.addresses, table.lengths,
-                                  torch.arange(nq, device=device), None, table.aligned)
+                                  torch.arange(nq, device=device), None)
             empty = table.lengths == 0
-        else:
-            # pair p = document p // nq against query p % nq: a document's queries side by side
-            flat = score_listed(Q, cu_q, max_q, table.doc, table.addresses.repeat_interleave(nq),
-                                table.lengths.repeat_interleave(nq), torch.arange(nq, device=device).repeat(nd),
-                                None, table.aligned)
-            scores = flat.view(nd, nq).t()
+        else:   # every query against every document: [nq, nd]
+            scores = score_listed(Q, cu_q, max_q, table.doc, table.addresses, table.lengths, None, None)
             empty = (table.lengths == 0).unsqueeze(0)
     scores = scores.masked_fill(empty, _similarity_module._EMPTY_DOCUMENT_SCORE)
     if params.get("length_normalize", False):

@@ -17,6 +17,7 @@ rows' maxima, one per table row (:func:`score_listed`).
 """
 from __future__ import annotations
 
+import array
 from typing import NamedTuple
 
 import torch
@@ -24,31 +25,42 @@ import triton
 import triton.language as tl
 
 from .forward import DENSE, _document_row_max
-from .launch import WIDE_BLOCK_M, TARGET_BLOCK_M, _precision, row_blocking
+from .launch import TARGET_BLOCK_M, _precision, row_blocking
 from .tuning import interpreting, k_tile, next_pow2
 
 
-@triton.jit(do_not_specialize=["n_pairs", "n_chunks"])
+@triton.jit(do_not_specialize=["n_table", "n_q", "n_qblocks", "n_chunks"])
 def listed_fwd_kernel(
     Q, CU_Q, ADDR, LEN, QIDX, PAD, DOC, OUT,
-    n_pairs, n_chunks, dim, s_qs,
-    ROWS_PER_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
-    TAIL_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_PAD: tl.constexpr, ALIGNED: tl.constexpr,
+    n_table, n_q, n_qblocks, n_chunks, dim, s_qs,
+    ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    D_PAD: tl.constexpr, TAIL_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_PAD: tl.constexpr, CROSS: tl.constexpr,
 ):
-    # Program = (table row, query-row chunk); the chunks of one row are neighbours, so they
-    # read the same candidate while it is in L2.
+    # Program = (table row, query-row chunk, query block); the programs of one table row are
+    # neighbours, so they read the same candidate while it is in L2.
+    # CROSS: every query against every candidate, QPB queries' rows stacked in one block (the
+    # matrix units see full-height tiles; each candidate tile is loaded once per block);
+    # otherwise table row p belongs to query QIDX[p] alone (QPB == 1).
+    BLOCK_M: tl.constexpr = ROWS_PER_Q * QPB
     pid = tl.program_id(0)
-    i_p = pid // n_chunks
-    i_chunk = pid % n_chunks
-    o_m = tl.arange(0, ROWS_PER_Q)
+    n_m = n_qblocks * n_chunks
+    i_p = pid // n_m
+    i_chunk = (pid % n_m) // n_qblocks
+    i_qb = pid % n_qblocks
+    o_m = tl.arange(0, BLOCK_M)
     o_k = tl.arange(0, BLOCK_K)
 
-    q = tl.load(QIDX + i_p)
-    q_start = tl.load(CU_Q + q)
-    q_len = tl.load(CU_Q + q + 1) - q_start
-    t_idx = i_chunk * ROWS_PER_Q + o_m
-    m_row = t_idx < q_len
+    if CROSS:
+        q_idx = i_qb * QPB + o_m // ROWS_PER_Q                                         # [BM] query of each row
+        m_q = q_idx < n_q
+    else:
+        q_idx = tl.load(QIDX + i_p) + o_m * 0
+        m_q = o_m < BLOCK_M
+    q_start = tl.load(CU_Q + q_idx, mask=m_q, other=0)
+    q_len = tl.load(CU_Q + q_idx + 1, mask=m_q, other=0) - q_start
+    t_idx = i_chunk * ROWS_PER_Q + o_m % ROWS_PER_Q
+    m_row = m_q & (t_idx < q_len)
     p_q = Q + (q_start.to(tl.int64) + t_idx) * s_qs                                    # [BM] row pointers
     if BLOCK_K == D_PAD:
         b_q = tl.load(p_q[:, None] + o_k[None, :], mask=m_row[:, None] & (o_k[None, :] < dim), other=0.0)
@@ -57,15 +69,13 @@ def listed_fwd_kernel(
     else:
         b_q = p_q   # unused: the tile loop reloads query slices per K tile
 
-    address = tl.load(ADDR + i_p)
-    if ALIGNED:
-        # every address in the table is a multiple of 16 (the launcher checked): vector loads
-        address = tl.multiple_of(address, 16)
+    # every address in the table is a multiple of 16 bytes (candidate_table checks): vector loads
+    address = tl.multiple_of(tl.load(ADDR + i_p), 16)
     p_d = address.to(tl.pointer_type(DOC.dtype.element_ty))
     ld = tl.load(LEN + i_p)
     b_max, b_arg, b_floor = _document_row_max(
         b_q, p_q, m_row, p_d, p_d, p_d, ld, dim, 1, dim, 1, 0, p_d, DOC, DOC, 0, 0,
-        False, False, False, False, ROWS_PER_Q, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION, False,
+        False, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION, False,
         TAIL_N, DENSE, 0, 16, False,
     )
     if HAS_PAD:
@@ -74,7 +84,12 @@ def listed_fwd_kernel(
     # NaN stays NaN; rows past the query, and rows of an empty candidate, add 0
     m_win = ((b_max > float("-inf")) & (b_max >= b_floor)) | (b_max != b_max)
     b_val = tl.where(m_win & m_row, b_max, 0.0)
-    tl.store(OUT + i_chunk.to(tl.int64) * n_pairs + i_p, tl.sum(b_val, axis=0))
+    b_score = tl.sum(tl.reshape(b_val, [QPB, ROWS_PER_Q]), axis=1)                     # [QPB]
+    # OUT [n_chunks, n_out, n_table]: n_out = n_q (CROSS) or 1
+    o_q = i_qb * QPB + tl.arange(0, QPB)
+    n_out = n_q if CROSS else 1
+    p_out = OUT + (i_chunk.to(tl.int64) * n_out + o_q) * n_table + i_p
+    tl.store(p_out, b_score, mask=o_q < n_out)
 
 
 def _config(d_pad: int, elem: int, rows: int) -> dict:
@@ -88,35 +103,39 @@ def _config(d_pad: int, elem: int, rows: int) -> dict:
 
 
 def score_listed(Q: torch.Tensor, cu_q: torch.Tensor, max_q: int, doc: torch.Tensor, addresses: torch.Tensor,
-                 lengths: torch.Tensor, query_index: torch.Tensor, pad: torch.Tensor | None,
-                 aligned: bool) -> torch.Tensor:
-    """``[P]`` fp32 MaxSim scores: table row ``p`` is query ``query_index[p]`` (rows
-    ``cu_q[i] .. cu_q[i+1]`` of the packed, contiguous ``Q [sum Lq, d]``) against the
-    ``lengths[p]`` tokens at ``addresses[p]``.
+                 lengths: torch.Tensor, query_index: torch.Tensor | None, pad: torch.Tensor | None) -> torch.Tensor:
+    """fp32 MaxSim scores of packed queries (rows ``cu_q[i] .. cu_q[i+1]`` of the contiguous
+    ``Q [sum Lq, d]``) against the table's candidates (``lengths[p]`` tokens at
+    ``addresses[p]``).
 
-    ``doc``: any candidate (its dtype types the addresses; never read).  ``pad`` (bool or
-    int8, ``[P]``, or None): rows whose max the host's zero padding joins.  ``aligned``: every
-    address is a multiple of 16 bytes.  Table tensors live on ``Q``'s device; ``addresses``
-    int64, ``lengths``, ``query_index`` and ``cu_q`` int32 or int64."""
-    n_pairs, dim = addresses.shape[0], Q.shape[-1]
-    out_dtype = torch.float32
-    if n_pairs == 0:
-        return torch.zeros(0, dtype=out_dtype, device=Q.device)
+    ``query_index`` ``[P]``: table row ``p`` belongs to that query alone -> ``[P]``; None:
+    every query against every candidate -> ``[n_q, P]``.  ``doc``: any candidate (its dtype
+    types the addresses; never read).  ``pad`` (bool or int8 ``[P]``, or None): rows whose
+    max the host's zero padding joins.  Every address must be a multiple of 16 bytes
+    (:func:`candidate_table`'s).  Table tensors live on ``Q``'s device; ``addresses`` int64, ``lengths``,
+    ``query_index`` and ``cu_q`` int32 or int64."""
+    n_table, dim, n_q = addresses.shape[0], Q.shape[-1], cu_q.shape[0] - 1
+    cross = query_index is None
     elem = Q.element_size()
     d_pad = max(16, next_pow2(dim))
-    block_m = WIDE_BLOCK_M if elem <= 2 and d_pad <= 128 else TARGET_BLOCK_M
-    rows, _, n_chunks = row_blocking(max_q, 1, False, block_m)
-    meta = _config(d_pad, elem, rows)
-    out = torch.empty((n_chunks, n_pairs), dtype=out_dtype, device=Q.device)
-    pad_arg = pad.view(torch.int8) if pad is not None and pad.dtype == torch.bool else pad
-    listed_fwd_kernel[(n_pairs * n_chunks,)](
-        Q, cu_q, addresses, lengths, query_index, pad_arg if pad_arg is not None else lengths, doc, out,
-        n_pairs, n_chunks, dim, Q.stride(0),
-        ROWS_PER_Q=rows, D_PAD=d_pad, UPCAST=interpreting() and Q.dtype == torch.bfloat16,
-        PRECISION=_precision(Q.dtype), HAS_PAD=pad is not None, ALIGNED=bool(aligned), **meta,
-    )
-    return out[0] if n_chunks == 1 else out.sum(0)
-
+    # 128-row blocks: a 256-row query block with its candidate tiles outgrew the fixed config
+    rows, qpb, n_chunks = row_blocking(max_q, n_q if cross else 1, cross, TARGET_BLOCK_M)
+    n_qblocks = -(-n_q // qpb) if cross else 1
+    n_out = n_q if cross else 1
+    out = torch.empty((n_chunks, n_out, n_table), dtype=torch.float32, device=Q.device)
+    if n_table and n_q:
+        pad_arg = pad.view(torch.int8) if pad is not None and pad.dtype == torch.bool else pad
+        listed_fwd_kernel[(n_table * n_qblocks * n_chunks,)](
+            Q, cu_q, addresses, lengths, lengths if cross else query_index, lengths if pad is None else pad_arg, doc,
+            out, n_table, n_q, n_qblocks, n_chunks, dim, Q.stride(0),
+            ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad, UPCAST=interpreting() and Q.dtype == torch.bfloat16,
+            PRECISION=_precision(Q.dtype), HAS_PAD=pad is not None, CROSS=cross,
+            **_config(d_pad, elem, rows * qpb),
+        )
+    else:
+        out.zero_()
+    scores = out[0] if n_chunks == 1 else out.sum(0)
+    return scores if cross else scores[0]
 
 
 class Table(NamedTuple):
@@ -124,8 +143,8 @@ class Table(NamedTuple):
     addresses: torch.Tensor   # int64 [N]: each candidate's first token
     lengths: torch.Tensor     # int64 [N]: its token count
     extra: torch.Tensor       # int64: the caller's integers, uploaded with the table
+    host_lengths: list        # the token counts, as read on the host
     doc: torch.Tensor         # a candidate on the device (types the addresses)
-    aligned: bool             # every address a multiple of 16 bytes
     hold: object              # storage the addresses point into (a staged copy), kept alive
 
 
@@ -135,45 +154,46 @@ def candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torc
     with ``extra`` integers in the same host-to-device copy; a reason string where they
     cannot be read in place.
 
-    Candidates already on ``device`` are read where they lie: one pass over the list reads
-    each one's address and length (no copy of any token).  Candidates on the CPU for a CUDA
+    Candidates already on ``device`` are read where they lie: a few passes over the list read
+    each one's address and length (no copy of any token; the checks are one fused generator,
+    the integers go to the device through one buffer).  Candidates on the CPU for a CUDA
     ``device`` are copied once into one pinned staging buffer and moved in one transfer;
     their addresses are then offsets into that buffer, computed on the device."""
     tensor = torch.Tensor
-    if not all(type(t) is tensor for t in candidates):
-        return "candidates must be tensors"
-    if not all(t.dtype is dtype for t in candidates):
-        return f"candidates must all be {dtype}"
-    if not all(t.dim() == 2 for t in candidates) or not all(t.shape[1] == dim for t in candidates):
-        return f"candidates must be [Ld, {dim}] tensors"
-    lengths = [t.shape[0] for t in candidates]
-    devices = {t.device for t in candidates}
-    if len(devices) != 1:
+    if not all(type(t) is tensor and t.dtype is dtype and t.dim() == 2 and t.shape[1] == dim for t in candidates):
+        return f"candidates must be [Ld, {dim}] tensors of {dtype}"
+    sources = {t.get_device() for t in candidates}        # an index, -1 on the CPU (no device objects)
+    if len(sources) != 1:
         return "candidates must lie on one device"
-    source = devices.pop()
+    source = sources.pop()
+    target = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
+    lengths = [t.shape[0] for t in candidates]
+    n = len(candidates)
     row_bytes = dim * torch.empty((), dtype=dtype).element_size()
-    if source == device:
+    if source == target:
         # the kernel's addressing: rows dim elements apart, elements adjacent
         if not all(t.is_contiguous() for t in candidates):
             return "candidates must be contiguous"
-        addresses = [t.data_ptr() for t in candidates]
-        table = torch.tensor(addresses + lengths + list(extra), dtype=torch.int64).to(device, non_blocking=True)
-        n = len(candidates)
-        aligned = all(a % 16 == 0 for a in addresses)
-        return Table(table[:n], table[n:2 * n], table[2 * n:], candidates[0], aligned, None)
-    if not (source.type == "cpu" and device.type == "cuda"):
-        return f"candidates on {source} for scoring on {device}"
-    total = sum(lengths)
-    staged = torch.empty((total, dim), dtype=dtype, pin_memory=True)
+        host = torch.frombuffer(array.array("q", [t.data_ptr() for t in candidates] + lengths + list(extra)),
+                                dtype=torch.int64)
+        if bool((host[:n] % 16).any()):
+            # the kernel's loads are 16-byte vectors; an odd offset would fault
+            return "candidate addresses must be multiples of 16 bytes"
+        table = host.to(device, non_blocking=True)
+        return Table(table[:n], table[n:2 * n], table[2 * n:], lengths, candidates[0], None)
+    if not (source == -1 and device.type == "cuda"):
+        return f"candidates on device {source} for scoring on {device}"
+    if row_bytes % 16:
+        return "candidate rows must be multiples of 16 bytes"
+    staged = torch.empty((sum(lengths), dim), dtype=dtype, pin_memory=True)
     torch.cat(candidates, out=staged)
     tokens = staged.to(device, non_blocking=True)
-    table = torch.tensor(lengths + list(extra), dtype=torch.int64).to(device, non_blocking=True)
-    n = len(candidates)
+    table = torch.frombuffer(array.array("q", lengths + list(extra)), dtype=torch.int64).to(device, non_blocking=True)
     lens = table[:n]
     starts = torch.cumsum(lens, 0) - lens
-    # rows are row_bytes apart from a base the allocator aligns: aligned when row_bytes is
+    # rows row_bytes apart from a base the allocator aligns: every address a multiple of 16
     addresses = tokens.data_ptr() + starts * row_bytes
-    return Table(addresses, lens, table[n:], tokens, row_bytes % 16 == 0, (tokens, staged))
+    return Table(addresses, lens, table[n:], lengths, tokens, (tokens, staged))
 
 
 __all__ = ["Table", "candidate_table", "score_listed"]
