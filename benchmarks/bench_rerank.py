@@ -168,6 +168,8 @@ def main():
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--only", default="pylate,colpali,st")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--skip", default="", help="host:variant,... not to run (e.g. peers a previous run "
+                        "measured slower than the host's fastest backend)")
     parser.add_argument("--variant")      # internal: host:variant, run in this process
     parser.add_argument("--tmp")
     args = parser.parse_args()
@@ -184,6 +186,8 @@ def main():
     for host in hosts:
         variants = VARIANTS[host] if not args.cpu else [v for v in VARIANTS[host] if v[0] in ("torch", "ours")]
         for variant, env in variants:
+            if f"{host}:{variant}" in args.skip.split(","):
+                continue
             cmd = [sys.executable, os.path.abspath(__file__), args.out, "--variant", f"{host}:{variant}", "--tmp", tmp,
                    "--reps", str(args.reps)] + (["--quick"] if args.quick else []) + (["--cpu"] if args.cpu else [])
             base = {k: v for k, v in os.environ.items() if k not in HOST_VARIABLES}
