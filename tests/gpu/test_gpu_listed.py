@@ -30,14 +30,15 @@ def test_listed_scores_match_the_reference(dtype, where, dim):
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [1, 63, 64, 65, 300, 0, 17, 129]
     source = "cpu" if where == "staged" else "cuda"
+    # shifted: negatives make the zero padding win rows
     if where == "views":
-        docs = list(torch.split(torch.randn(sum(lengths), dim, device="cuda", generator=g).to(dtype), lengths))
+        flat = torch.randn(sum(lengths), dim, device="cuda", generator=g) - 0.05
+        docs = list(torch.split(flat.to(dtype), lengths))
     elif where == "misaligned":   # one element into the buffer: addresses 2 or 4 bytes off 16
-        flat = torch.randn(sum(lengths) * dim + 1, device="cuda", generator=g).to(dtype)[1:]
+        flat = (torch.randn(sum(lengths) * dim + 1, device="cuda", generator=g) - 0.05).to(dtype)[1:]
         docs = list(torch.split(flat.view(-1, dim), lengths))
     else:
-        docs = [torch.randn(n, dim, device="cuda", generator=g).to(dtype) for n in lengths]
-    docs = [(d - 0.05).to(source) for d in docs]          # negatives: the zero padding wins rows
+        docs = [(torch.randn(n, dim, device="cuda", generator=g) - 0.05).to(dtype).to(source) for n in lengths]
     queries = [torch.randn(n, dim, device="cuda", generator=g).to(dtype) for n in (32, 1, 200)]
     qidx = [p % 3 for p in range(len(docs))]
     pad = [p % 2 == 0 for p in range(len(docs))]
