@@ -169,3 +169,18 @@ def test_backend_rules_and_fallbacks(patched, monkeypatch):
     monkeypatch.setenv("PYLATE_SCORES_BACKEND", "lik")
     with pytest.raises(RuntimeError, match="backend='lik'"):
         rank.rerank(ids, queries, mixed)
+
+
+def test_rerank_of_candidates_off_16_bytes_runs_pylates_loop(kernels):
+    from pylate import rank
+
+    ids, queries, docs = _corpus(7, nq=2, c=(4, 3))
+    # one element into a buffer: every address 4 bytes off a multiple of 16 (the kernel's vectors)
+    shifted = []
+    for group in docs:
+        flat = torch.cat([torch.zeros(1), torch.cat(group).flatten()])[1:]
+        shifted.append(list(torch.split(flat.view(-1, 16), [d.shape[0] for d in group])))
+    want = kernels.originals["rerank"](ids, queries, docs)
+    reset_routing_counts()
+    _same(rank.rerank(ids, queries, shifted), want, exact=False)
+    assert routing_counts()["pylate.rerank"] == {"original": 1}
