@@ -45,8 +45,9 @@ def test_release(version, tmp_path):
     # Distillation binds colbert_kd_scores as a default argument in every release
     assert summary["losses"]["distillation"]["counts"]["pylate.colbert_kd_scores"] == {"torch-chunked": 2}
     counts = summary["inference_counts"]
-    assert counts["pylate.colbert_scores"] == {"torch-chunked": 1}    # similarity
-    assert counts["pylate.rerank"] == {"torch-chunked": 1}            # rank.rerank: one launch
+    # similarity; rank.rerank on a CPU is PyLate's own loop (faster there), its 3 colbert_scores too
+    assert counts["pylate.colbert_scores"] == {"torch-chunked": 1, "original": 3}
+    assert counts["pylate.rerank"] == {"original": 1}
     assert counts["pylate.colbert_scores_pairwise"] == {"torch-chunked": 2}
     assert counts["pylate.colbert_kd_scores"] == {"torch-chunked": 1}
     assert summary["inference_patched"]["rerank"] == summary["inference_vanilla"]["rerank"]
