@@ -4,16 +4,18 @@ The hosts' retrieval entry points (PyLate ``rank.rerank``, colpali-engine ``scor
 sentence-transformers ``util.maxsim`` on lists) hold their candidates as long Python lists of
 separate ``[Ld, d]`` tensors.  Concatenating them costs more than scoring them, so each
 candidate is instead one row of a table: the address of its first token (int64), its token
-count, the query it is scored against, and whether the host's zero padding joins its max.
-The forward kernel's tile loop (:func:`forward._document_row_max`) reads the candidate from its
+count, and whether the host's zero padding joins its max; either each row has its own query
+(a rerank list) or every query meets every row (``CROSS``: colpali / ST lists, several
+queries' rows stacked in one block).  The forward kernel's tile loop (:func:`forward._document_row_max`) reads the candidate from its
 own address; only the program setup and the epilogue are this file's.
 
 Every candidate must be a ``[Ld, d]`` tensor with token stride ``d`` and element stride 1,
-of one dtype on the launch's device (the caller checks; a wrong address reads wrong memory).
+of one dtype on the launch's device, at an address that is a multiple of 16 bytes
+(:func:`candidate_table` checks; a wrong address reads wrong memory).
 ``PAD`` (zero padding): the host right-pads the candidate with zero tokens before its max,
 so a zero similarity competes -- a row whose similarities are all negative scores 0 -- as
 ``mask_mode="zero"``'s masked token does in the reference.  Scores are fp32 sums of the
-rows' maxima, one per table row (:func:`score_listed`).
+rows' maxima (:func:`score_listed`).
 """
 from __future__ import annotations
 
@@ -92,13 +94,14 @@ def listed_fwd_kernel(
     tl.store(p_out, b_score, mask=o_q < n_out)
 
 
-def _config(d_pad: int, elem: int, rows: int) -> dict:
-    # Memory-bound (one query's rows per candidate): 64-token tiles for 16-bit tokens keep
-    # enough loads in flight; the narrower tail tile spends little work on short candidates.
+def _config(d_pad: int, elem: int) -> dict:
+    # A fixed config (no tuning table for this kernel yet): 64-token tiles for 16-bit tokens,
+    # as the forward kernel's default; the narrower tail tile spends little work on short
+    # candidates.
     block_n = 64 if d_pad <= 256 and elem <= 2 else 32
     meta = {"BLOCK_N": block_n, "BLOCK_K": k_tile(d_pad), "TAIL_N": 16 if block_n > 16 else 0}
     if not interpreting():
-        meta.update(num_warps=8 if rows >= 256 else 4, num_stages=3 if elem <= 2 else 2)
+        meta.update(num_warps=4, num_stages=3 if elem <= 2 else 2)
     return meta
 
 
@@ -130,7 +133,7 @@ def score_listed(Q: torch.Tensor, cu_q: torch.Tensor, max_q: int, doc: torch.Ten
             out, n_table, n_q, n_qblocks, n_chunks, dim, Q.stride(0),
             ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad, UPCAST=interpreting() and Q.dtype == torch.bfloat16,
             PRECISION=_precision(Q.dtype), HAS_PAD=pad is not None, CROSS=cross,
-            **_config(d_pad, elem, rows * qpb),
+            **_config(d_pad, elem),
         )
     else:
         out.zero_()
