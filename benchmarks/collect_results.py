@@ -57,7 +57,7 @@ class Source:
             "source_file": _relative(path),
         }
 
-    def row(self, case, impl, metric, value, unit="", spread="", host=None) -> dict | None:
+    def row(self, case, impl, metric, value, unit="", spread="", host=None, command=None) -> dict | None:
         if value is None or isinstance(value, (dict, list)):
             return None
         if isinstance(value, float):
@@ -66,6 +66,8 @@ class Source:
                "spread": spread}
         if host is not None:
             row["host"] = host
+        if command is not None:
+            row["command"] = command
         return row
 
 
@@ -297,6 +299,30 @@ def parity(src: Source):
                               value, host="colpali-engine")
 
 
+def rerank(src: Source):
+    """bench_rerank.py: candidate lists scored through each host, per (host, case, variant)."""
+    for r in src.data["rows"]:
+        case = f"{r['case']} {r['queries']} queries x {r['candidates_per_query']} candidates"
+        runs = r.get("all_seconds") or []
+        spread = f"{len(runs)} runs {_g(min(runs))}-{_g(max(runs))} s" if len(runs) > 1 else ""
+        host = r.get("host", "")
+        yield src.row(case, r["variant"], "time", r.get("seconds"), "s", spread, host=host)
+        yield src.row(case, r["variant"], "queries_per_s", r.get("queries_per_s"), "1/s", host=host)
+        if r.get("peak_gpu_bytes"):
+            yield src.row(case, r["variant"], "peak_memory", r["peak_gpu_bytes"] / 2**20, "MiB", host=host)
+        for metric in ("identical_ranking_share", "identical_top10_share", "speedup_vs_fastest_host_backend"):
+            yield src.row(case, r["variant"], metric, r.get(metric), host=host)
+
+
+def test_runs(src: Source):
+    """A GPU test record (``{"runs": [{"summary": "7 failed, 4 passed", ...}]}``): the counts."""
+    for name, version in re.findall(r"(torch|triton) (\S+)", src.data.get("versions", "")):
+        src.base[name] = src.base[name] or version
+    for run in src.data["runs"]:
+        for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?)", run.get("summary", "")):
+            yield src.row(run.get("code", ""), "lik_plugins", f"tests_{what}", int(n), command=run.get("command"))
+
+
 def _rows0(d) -> dict:
     rows = d.get("rows") if isinstance(d, dict) else None
     return rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
@@ -320,6 +346,8 @@ READERS = (
     (lambda d: "corpus" in _rows0(d), plaid_search),
     (lambda d: isinstance(d.get("rows"), dict) and all("fresh_ms" in r for r in d["rows"].values()), coldstart),
     (lambda d: "cases" in d or "heads" in d, parity),
+    (lambda d: "candidates_per_query" in _rows0(d), rerank),
+    (lambda d: isinstance(d.get("runs"), list) and all("summary" in r for r in d["runs"]), test_runs),
 )
 
 
