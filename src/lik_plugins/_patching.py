@@ -11,11 +11,38 @@ adapter look like the function it replaces (doctest collection, ``inspect``, pic
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 import functools
+import threading
 from typing import Any, Callable
 
 _MISSING = object()
+
+
+class PatchLock:
+    """One host patcher's lock, safe against the patcher re-entering itself.
+
+    A patch function imports its host; with ``LIK_PATCH`` or ``*_SCORES_BACKEND=auto|lik``
+    set, that import runs the start-up hook, which calls the same patch function again on
+    the same thread.  A plain lock deadlocks there.  The inner call instead learns it is
+    nested (``hold()`` yields False) and returns: the outer call, which owns the import,
+    finishes the patch.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = threading.local()
+
+    @contextlib.contextmanager
+    def hold(self):
+        with self._lock:
+            depth = getattr(self._depth, "value", 0)
+            self._depth.value = depth + 1
+            try:
+                yield depth == 0
+            finally:
+                self._depth.value = depth
 
 
 @dataclass

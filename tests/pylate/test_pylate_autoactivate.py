@@ -111,3 +111,24 @@ def test_post_import_hook_patches_once_after_the_host_executed(tmp_path, monkeyp
     finally:
         sys.meta_path[:] = before
         sys.modules.pop("lik_fake_host_mod", None)
+
+
+EXPLICIT_PATCH_BEFORE_IMPORT = """
+import json, lik_plugins
+from lik_plugins.colpali import patch as colpali_patch
+from lik_plugins.pylate import _patch as pylate_patch
+layout = lik_plugins.patch_pylate()  # imports pylate, whose import runs the start-up hook's patch_pylate()
+generation = lik_plugins.patch_colpali_engine()
+print(json.dumps({"pylate": pylate_patch.is_patched(), "layout": type(layout).__name__,
+                  "colpali": colpali_patch.is_patched(), "generation": generation}))
+"""
+
+
+@pytest.mark.parametrize("env", [{"PYLATE_SCORES_BACKEND": "auto", "COLPALI_SCORES_BACKEND": "auto"},
+                                 {"LIK_PATCH": "all"}])
+def test_explicit_patch_with_the_startup_hook_armed_does_not_deadlock(env):
+    # the explicit call imports the host, the import re-enters the patcher on the same thread:
+    # it used to wait forever on the patcher's own lock
+    pytest.importorskip("colpali_engine")
+    got = _run(EXPLICIT_PATCH_BEFORE_IMPORT, **env)
+    assert got["pylate"] and got["colpali"] and got["layout"] == "PyLateLayout" and isinstance(got["generation"], str)

@@ -22,12 +22,11 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import threading
 
 import torch
 
 from .. import _install
-from .._patching import PatchLedger
+from .._patching import PatchLedger, PatchLock
 from .._routing import record
 from .._config import disabled
 from . import _scores as sc
@@ -39,7 +38,7 @@ PROCESSING = "colpali_engine.utils.processing_utils"
 LIK_BACKEND = "colpali_engine.utils._lik_backend"
 
 _ledger = PatchLedger("colpali_engine")
-_lock = threading.Lock()
+_lock = PatchLock()
 _generation: Generation | None = None
 
 
@@ -227,7 +226,9 @@ def patch_colpali_engine() -> str:
             does not import.
     """
     global _generation
-    with _lock:
+    with _lock.hold() as outermost:
+        if not outermost:  # re-entered from colpali-engine's import inside this call (start-up hook)
+            return _generation.name if _generation is not None else None
         if _ledger.active and _generation is not None:
             return _generation.name
         losses, processing = _import_colpali()
@@ -260,7 +261,7 @@ def patch_colpali_engine() -> str:
 def unpatch_colpali_engine() -> None:
     """Restore every object :func:`patch_colpali_engine` replaced (no-op when not patched)."""
     global _generation
-    with _lock:
+    with _lock.hold():
         _ledger.revert()
         _generation = None
 

@@ -24,14 +24,13 @@ imported, the retrievers included): one packed launch over every query's candida
 from __future__ import annotations
 
 import sys
-import threading
 from typing import Any
 
-from .._patching import PatchLedger, instance_slot_property, lookalike
+from .._patching import PatchLedger, PatchLock, instance_slot_property, lookalike
 from . import _layout as layout_mod
 from . import _plaid_search, _scores
 
-_lock = threading.Lock()
+_lock = PatchLock()
 _ledger = PatchLedger("pylate")
 _current: layout_mod.PyLateLayout | None = None
 #: One lookalike per original for the life of a patch (identity matters: the instance slots
@@ -175,7 +174,9 @@ def patch_pylate() -> layout_mod.PyLateLayout:
         print(lik_plugins.routing_counts())
     """
     global _current
-    with _lock:
+    with _lock.hold() as outermost:
+        if not outermost:  # re-entered from PyLate's import inside this call (start-up hook)
+            return _current
         layout = _current
         if layout is None:
             layout = layout_mod.detect()
@@ -195,7 +196,7 @@ def patch_pylate() -> layout_mod.PyLateLayout:
 def unpatch_pylate() -> None:
     """Restore every original PyLate object exactly (harmless when not patched)."""
     global _current
-    with _lock:
+    with _lock.hold():
         _ledger.revert()
         _scores.bind(_current, active=False)
         _current = None

@@ -24,11 +24,10 @@ holding one.  ``mean_*`` scorers, ``colbert_scores_pairwise``, ``SimilarityFunct
 from __future__ import annotations
 
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .._patching import PatchLedger, instance_slot_property, lookalike
+from .._patching import PatchLedger, PatchLock, instance_slot_property, lookalike
 from . import _scores
 
 SIMILARITY = "sentence_transformers.util.similarity"
@@ -48,7 +47,7 @@ MODULES = (
     "sentence_transformers.multi_vector_encoder.evaluation",
 )
 
-_lock = threading.Lock()
+_lock = PatchLock()
 _ledger = PatchLedger("sentence_transformers")
 _current: "STLayout | None" = None
 
@@ -194,7 +193,9 @@ def patch_sentence_transformers() -> STLayout:
         print(lik_plugins.routing_counts())
     """
     global _current
-    with _lock:
+    with _lock.hold() as outermost:
+        if not outermost:  # re-entered from sentence-transformers' import inside this call (start-up hook)
+            return _current
         layout = _current if _current is not None else detect()
         if not _served:
             adapters = {**_scores.SIMILARITY_ADAPTERS, **_scores.SCORING_ADAPTERS}
@@ -209,7 +210,7 @@ def patch_sentence_transformers() -> STLayout:
 def unpatch_sentence_transformers() -> None:
     """Restore every original sentence-transformers object exactly (harmless when not patched)."""
     global _current
-    with _lock:
+    with _lock.hold():
         _ledger.revert()
         if _current is not None:  # keep the originals bound: a stale adapter then runs ST's code
             _scores.bind(_current.originals, sys.modules.get(SIMILARITY), active=False)
