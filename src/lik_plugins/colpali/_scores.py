@@ -52,31 +52,29 @@ def _ops():
     return ops
 
 
+_OP_FOR_LAYOUT = {"cross": "maxsim", "pairs": "maxsim_pairs", "candidates": "maxsim"}
+
+
+def _scored(Q: torch.Tensor, D: torch.Tensor, layout: str, smooth: bool, tau: float):
+    ops = _ops()
+    if smooth:
+        return ops.smooth_maxsim(Q, D, tau=tau, layout=layout).to(Q.dtype), ops.served_by(Q, "smooth")
+    return getattr(ops, _OP_FOR_LAYOUT[layout])(Q, D).to(Q.dtype), ops.served_by(Q)
+
+
 def inbatch(Q: torch.Tensor, D: torch.Tensor, smooth: bool = False, tau: float = 0.1):
     """``[B, Lq, d] x [C, Ld, d] -> [B, C]`` in ``Q.dtype``; returns ``(scores, path)``."""
-    if smooth:
-        ops = _ops()
-        return ops.smooth_maxsim(Q, D, tau=tau, layout="cross").to(Q.dtype), ops.served_by(Q, "smooth")
-    ops = _ops()
-    return ops.maxsim(Q, D).to(Q.dtype), ops.served_by(Q)
+    return _scored(Q, D, "cross", smooth, tau)
 
 
 def pairs(Q: torch.Tensor, D: torch.Tensor, smooth: bool = False, tau: float = 0.1):
     """``[B, Lq, d] x [B, Ld, d] -> [B]`` in ``Q.dtype``; returns ``(scores, path)``."""
-    if smooth:
-        ops = _ops()
-        return ops.smooth_maxsim(Q, D, tau=tau, layout="pairs").to(Q.dtype), ops.served_by(Q, "smooth")
-    ops = _ops()
-    return ops.maxsim_pairs(Q, D).to(Q.dtype), ops.served_by(Q)
+    return _scored(Q, D, "pairs", smooth, tau)
 
 
 def candidates(Q: torch.Tensor, N: torch.Tensor, smooth: bool = False, tau: float = 0.1):
     """``[B, Lq, d] x [B, K, Ld, d] -> [B, K]`` in ``Q.dtype`` (one launch); returns ``(scores, path)``."""
-    if smooth:
-        ops = _ops()
-        return ops.smooth_maxsim(Q, N, tau=tau, layout="candidates").to(Q.dtype), ops.served_by(Q, "smooth")
-    ops = _ops()
-    return ops.maxsim(Q, N).to(Q.dtype), ops.served_by(Q)
+    return _scored(Q, N, "candidates", smooth, tau)
 
 
 def query_lengths(Q: torch.Tensor) -> torch.Tensor:
