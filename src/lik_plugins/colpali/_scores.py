@@ -98,7 +98,7 @@ def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
     path = _ops().served_by(probe)
     if path != "triton":
         return None
-    from ..kernels.triton.listed import candidate_table, score_listed
+    from ..kernels.triton.listed import candidate_table, score_table
 
     dim, dtype = first.shape[1], first.dtype
     table = candidate_table(passages, dtype, dim, target, extra=[q.shape[0] for q in queries])
@@ -106,14 +106,10 @@ def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
         return None
     lengths = table.host_lengths
     longest = [max(lengths[j0:j0 + batch_size]) for j0 in range(0, len(lengths), batch_size)]
-    nq, n_p = len(queries), len(passages)
-    Q = torch.cat([q.to(target) for q in queries])
-    cu_q = torch.zeros(nq + 1, dtype=torch.int64, device=target)
-    torch.cumsum(table.extra, 0, out=cu_q[1:])
+    n_p = len(passages)
     chunk = torch.arange(n_p, device=target) // batch_size
     pad = table.lengths < torch.tensor(longest).to(target, non_blocking=True)[chunk]
     with torch.no_grad():   # every query against every passage: [n_q, n_p]
-        scores = score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc, table.addresses,
-                              table.lengths, None, pad)
+        scores = score_table(queries, table.extra, table, None, pad)
     scores = scores.to(dtype).cpu().to(torch.float32)
     return scores, path

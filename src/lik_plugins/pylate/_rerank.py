@@ -134,20 +134,16 @@ def _prepare(layout, documents_ids, queries_embeddings, documents_embeddings, de
 
 
 def _rerank_listed(queries, table, counts, longest, ids, target):
-    from ..kernels.triton.listed import score_listed
+    from ..kernels.triton.listed import score_table
 
     nq, dtype = len(queries), queries[0].dtype
     q_lens, n_cands = table.extra[:nq], table.extra[nq:]
     total = len(table.addresses)
-    Q = torch.cat([q.to(target) for q in queries])
-    cu_q = torch.zeros(nq + 1, dtype=torch.int64, device=target)
-    torch.cumsum(q_lens, 0, out=cu_q[1:])
     query_index = torch.repeat_interleave(torch.arange(nq, device=target), n_cands, output_size=total)
     # PyLate's zero padding joins the max of every candidate shorter than its list's longest
     pad = table.lengths < torch.tensor(longest).to(target, non_blocking=True)[query_index]
     with torch.no_grad():
-        flat = score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc, table.addresses,
-                            table.lengths, query_index, pad)
+        flat = score_table(queries, q_lens, table, query_index, pad)
     flat = flat.to(dtype)            # PyLate's scores are in the embeddings' dtype
     # each list sorted by the very call PyLate makes on it (module docstring: ties)
     parts = [torch.sort(part, descending=True) for part in torch.split(flat, counts)]

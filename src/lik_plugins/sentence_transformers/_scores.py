@@ -198,24 +198,19 @@ def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
         return None   # scores only: a gradient goes through ST's chunk scorers
     if _ops().served_by(first) != "triton":
         return None
-    from ..kernels.triton.listed import candidate_table, score_listed
+    from ..kernels.triton.listed import candidate_table, score_table
 
-    nq, nd = len(a), len(b)
+    nq = len(a)
     table = candidate_table(b, dtype, dim, device, extra=[q.shape[0] for q in a])
     if isinstance(table, str):
         return None
     q_lens = table.extra
-    Q = torch.cat(a)
-    cu_q = torch.zeros(nq + 1, dtype=torch.int64, device=device)
-    torch.cumsum(q_lens, 0, out=cu_q[1:])
-    max_q = max(q.shape[0] for q in a)
     with torch.no_grad():
         if pairwise:
-            scores = score_listed(Q, cu_q, max_q, table.doc, table.addresses, table.lengths,
-                                  torch.arange(nq, device=device), None)
+            scores = score_table(a, q_lens, table, torch.arange(nq, device=device), None)
             empty = table.lengths == 0
         else:   # every query against every document: [nq, nd]
-            scores = score_listed(Q, cu_q, max_q, table.doc, table.addresses, table.lengths, None, None)
+            scores = score_table(a, q_lens, table, None, None)
             empty = (table.lengths == 0).unsqueeze(0)
     scores = scores.masked_fill(empty, _similarity_module._EMPTY_DOCUMENT_SCORE)
     if params.get("length_normalize", False):

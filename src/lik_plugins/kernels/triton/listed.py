@@ -141,6 +141,19 @@ def score_listed(Q: torch.Tensor, cu_q: torch.Tensor, max_q: int, doc: torch.Ten
     return scores if cross else scores[0]
 
 
+def score_table(queries: list, q_lens: torch.Tensor, table: "Table", query_index: torch.Tensor | None,
+                pad: torch.Tensor | None) -> torch.Tensor:
+    """:func:`score_listed` of a list of ``[Lq_i, d]`` queries against ``table``'s candidates:
+    the queries packed on the table's device, ``q_lens`` their token counts already there
+    (uploaded with the table as ``extra``)."""
+    device = table.lengths.device
+    Q = torch.cat([q.to(device) for q in queries])
+    cu_q = torch.zeros(len(queries) + 1, dtype=torch.int64, device=device)
+    torch.cumsum(q_lens, 0, out=cu_q[1:])
+    return score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc, table.addresses, table.lengths,
+                        query_index, pad)
+
+
 class Table(NamedTuple):
     """A candidate list on the scoring device: what :func:`score_listed` reads."""
     addresses: torch.Tensor   # int64 [N]: each candidate's first token
