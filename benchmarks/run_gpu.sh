@@ -123,8 +123,8 @@ fi
 
 if [[ $stage == parity || $stage == hosts || $stage == all ]]; then
   host_env
-  timeout 150 python3 tests/pylate/gpu_parity.py "$OUT/pylate_gpu_parity.json" 2>&1 | tail -12
-  timeout 150 python3 tests/colpali/gpu_parity.py "$OUT/colpali_gpu_parity.json" 2>&1 | tail -12
+  timeout 150 python3 tests/hosts/pylate/gpu_parity.py "$OUT/pylate_gpu_parity.json" 2>&1 | tail -12
+  timeout 150 python3 tests/hosts/colpali/gpu_parity.py "$OUT/colpali_gpu_parity.json" 2>&1 | tail -12
   timeout 170 python3 benchmarks/colpali_heads.py "$OUT" 2>&1 | tail -20
 fi
 if [[ $stage == e2e || $stage == hosts || $stage == all ]]; then

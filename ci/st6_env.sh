@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build (once) the sentence-transformers 6.x environment and run tests/sentence_transformers there.
+# Build (once) the sentence-transformers 6.x environment and run tests/hosts/sentence_transformers there.
 #
 #   ci/st6_env.sh                 # build .venv-st6 if needed, then run the ST 6 tests
 #   ci/st6_env.sh --build-only    # only build the environment (used by ci/host_suites.py)
@@ -27,7 +27,7 @@ fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRITON_INTERPRET=1
 set +e
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/sentence_transformers
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/hosts/sentence_transformers
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then echo "st6_env: ERROR: pytest collected no tests (exit code 5)" >&2; exit 1; fi

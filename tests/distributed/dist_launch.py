@@ -52,7 +52,7 @@ def rank_env(rank: int, world_size: int, port: int) -> dict:
         PYTHONUNBUFFERED="1",
         # our checkout first, then the shared test helpers the workers import
         PYTHONPATH=os.pathsep.join(
-            [str(REPO / "src"), str(TESTS / "pylate"), str(TESTS / "colpali"), str(TESTS / "distributed")]
+            [str(REPO / "src"), str(TESTS / "hosts" / "pylate"), str(TESTS / "hosts" / "colpali"), str(TESTS / "distributed")]
             + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         ),
     )

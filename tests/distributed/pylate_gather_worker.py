@@ -25,7 +25,7 @@ import torch
 
 torch.set_num_threads(1)
 
-import pylate_tiny as tiny  # noqa: E402  (tests/pylate, on PYTHONPATH)
+import pylate_tiny as tiny  # noqa: E402  (tests/hosts/pylate, on PYTHONPATH)
 from dist_launch import write_result  # noqa: E402
 
 import lik_plugins  # noqa: E402

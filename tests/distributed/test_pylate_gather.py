@@ -41,7 +41,7 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "pylate"))
+sys.path.insert(0, str(HERE.parent / "hosts" / "pylate"))
 
 import pylate_tiny as tiny  # noqa: E402
 

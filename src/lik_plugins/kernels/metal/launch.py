@@ -41,7 +41,7 @@ SHADER_FILES = ("maxsim.metal", "smoothmax.metal")   # concatenated in this orde
 ELEM_TYPES = {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float"}
 
 # Must equal the #defines in shaders/maxsim.metal and shaders/smoothmax.metal
-# (tests/metal/test_metal_launch.py checks that they do).
+# (tests/kernels/metal/test_metal_launch.py checks that they do).
 THREADS = 128          # LIK_THREADS
 SIMDGROUPS = 4         # LIK_SIMDGROUPS
 BLOCK_ROWS = 32        # FWD_BM

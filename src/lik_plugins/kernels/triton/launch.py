@@ -16,7 +16,7 @@ presence and option set, the binaries a kernel needs are bounded by its buckets:
 * gather: ``BLOCK_S`` x ``BLOCK_J`` (powers of two) x split.
 
 :data:`MAX_VARIANTS_PER_KERNEL` is the bound the tests hold a sweep of lengths to
-(``tests/kernel_paths/test_shape_stability.py``).  Host-side plans are cached per exact
+(``tests/kernels/test_shape_stability.py``).  Host-side plans are cached per exact
 geometry (the fast path of a repeated shape); a new length builds its plan (tens of
 microseconds) and replays the binary its bucket already has (``direct.py``).  The binaries
 compiled ahead for guessed lengths (``ahead.py``) are these buckets' too: compiling ahead

@@ -1,6 +1,6 @@
 """GPU parity of the PyLate integration: patched vs vanilla losses and gradients.
 
-    python tests/pylate/gpu_parity.py OUT.json
+    python tests/hosts/pylate/gpu_parity.py OUT.json
 
 For ``Contrastive``, ``CachedContrastive`` and ``Distillation``, in fp32 and bf16, one
 forward + backward of the real PyLate loss on a random offline ColBERT (BERT 4x256,
@@ -164,7 +164,7 @@ def main(out_path: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python tests/pylate/gpu_parity.py OUT.json")
+        sys.exit("usage: python tests/hosts/pylate/gpu_parity.py OUT.json")
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_parity.py needs a CUDA device")
     sys.exit(main(sys.argv[1]))

@@ -18,7 +18,7 @@ import st_tiny
 st_tiny.require_st6()
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+ROOT = HERE.parents[2]
 
 
 def _pth_installed() -> bool:

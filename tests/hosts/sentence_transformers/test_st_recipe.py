@@ -12,7 +12,7 @@ import st_tiny
 
 st_tiny.require_st6()
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "train_sentence_transformers.py"
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "train_sentence_transformers.py"
 
 
 def test_recipe(tmp_path):

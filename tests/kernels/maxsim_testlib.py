@@ -1,4 +1,4 @@
-"""Shared helpers for the core-op tests (``tests/kernel_paths``, ``tests/ops``).
+"""Shared helpers for the core-op tests (``tests/kernels``, ``tests/ops``).
 
 Every numeric check runs the public op on fresh random inputs (masks with holes, a fully
 masked query, a fully masked document, a document whose similarities with one valid
@@ -271,7 +271,7 @@ def tied_inputs(gen, layout, nq, nj, lq, ld, d, copies):
 
 
 # ---------------------------------------------------------------- shared fixtures
-# (imported by tests/kernel_paths/conftest.py and tests/ops/conftest.py)
+# (imported by tests/kernels/conftest.py and tests/ops/conftest.py)
 LIK_VARS = ("LIK_DISABLE", "LIK_BACKEND", "LIK_CHUNK_ELEMENTS")
 
 

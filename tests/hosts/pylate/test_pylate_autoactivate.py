@@ -69,7 +69,7 @@ print(json.dumps({"losses": losses, "counts": counts}))
 
 
 def test_zero_code_training_is_routed_and_matches():
-    # "pylate.scores", not "pylate": without PyLate, tests/pylate would import as a namespace package "pylate"
+    # "pylate.scores", not "pylate": without PyLate, tests/hosts/pylate would import as a namespace package "pylate"
     pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
     patched = _run(TRAIN, PYLATE_SCORES_BACKEND="lik")
     vanilla = _run(TRAIN)

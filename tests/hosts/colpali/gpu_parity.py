@@ -1,6 +1,6 @@
 """GPU parity with real colpali-engine (run on a CUDA machine; not collected by pytest).
 
-    python tests/colpali/gpu_parity.py results/colpali_gpu_parity.json
+    python tests/hosts/colpali/gpu_parity.py results/colpali_gpu_parity.json
 
 For each of the five loss heads, hard max and smooth max, fp32 and bf16: colpali's own
 code (``COLPALI_SCORES_BACKEND=torch``, unpatched) versus the patched heads (Triton),
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "src"))
 
 import lik_plugins  # noqa: E402
 from lik_plugins import smooth_maxsim  # noqa: E402

