@@ -45,7 +45,8 @@ from ._config import chunk_elements
 from ._routing import record
 from .kernels import chunked, reference
 from .kernels.common import COMPACT_MAX_ROWS, argmax_dtype
-from .kernels.dispatch import implementation, served_by, serves_width, sm_count
+from .kernels.device import sm_count
+from .kernels.dispatch import implementation, served_by, serves_width
 
 # Layouts, passed to the ops as ints (a custom op's schema takes int, not an enum).
 CROSS, CANDIDATES, PAIRS = 0, 1, 2

@@ -145,7 +145,7 @@ def _planning_for(arch: str):
     """The op layer routes ``meta`` tensors to the Triton launchers, which plan for ``arch``
     (its committed config table, SMs and shared memory) and note their launches."""
     from . import library
-    from .kernels import dispatch
+    from .kernels import device
     from .kernels.triton import direct, tuning
 
     name = arch.replace("_", "")
@@ -154,16 +154,16 @@ def _planning_for(arch: str):
                          "its first calls sweep configs on the GPU; build the table there first "
                          "(bash benchmarks/run_gpu.sh tune)")
     sms, smem = _facts(arch)
-    saved = (library.served_by, tuning.architecture, tuning._smem_budget, dispatch.DEFAULT_SM_COUNT)
+    saved = (library.served_by, tuning.architecture, tuning._smem_budget, device.DEFAULT_SM_COUNT)
     library.served_by = lambda t, op="maxsim": "triton"
     tuning.architecture = lambda: name
     tuning._smem_budget = lambda: smem
-    dispatch.DEFAULT_SM_COUNT = sms     # what sm_count() answers for a non-CUDA (here: meta) device
+    device.DEFAULT_SM_COUNT = sms     # what sm_count() answers for a non-CUDA (here: meta) device
     try:
         with direct.recording() as launches:
             yield launches
     finally:
-        library.served_by, tuning.architecture, tuning._smem_budget, dispatch.DEFAULT_SM_COUNT = saved
+        library.served_by, tuning.architecture, tuning._smem_budget, device.DEFAULT_SM_COUNT = saved
 
 
 def variants(hosts, dtypes, dims, arch: str) -> list[tuple]:

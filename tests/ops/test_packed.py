@@ -139,7 +139,7 @@ def test_pair_lists_in_runs_of_one_query(backend, gen, mask_mode, normalize, mon
 def test_rerank_gradients_split_over_programs(backend, gen, normalize, monkeypatch):
     # one query against many documents: the Triton backward splits the query's documents
     # over several programs that add into one grad_Q row (fp32 atomics, finished on the host)
-    from lik_plugins.kernels.dispatch import sm_count
+    from lik_plugins.kernels.device import sm_count
     from lik_plugins.kernels.triton import launch
 
     n_docs = 100

@@ -27,8 +27,6 @@ adapters can record routing without running anything.
 """
 from __future__ import annotations
 
-import functools
-import importlib
 from types import ModuleType
 from typing import NamedTuple
 
@@ -36,6 +34,7 @@ import torch
 
 from .._config import disabled, forced_backend, metal_enabled, triton_interpret
 from .common import SMOOTH_FUSED_MAX_DIM
+from .device import capability, triton_available
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OPS = ("maxsim", "smooth", "fp8", "int8", "residual", "hidden")
@@ -53,25 +52,6 @@ def serves_width(path: str, op: str, dim: int) -> str:
     if path == "triton" and op in ("int8", "residual", "hidden") and dim > BUILT_OPERAND_MAX_DIM:
         return "torch-chunked"
     return path
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    try:
-        importlib.import_module("triton")
-    except Exception:  # ImportError, or a broken install on an unsupported platform
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def capability(index: int | None) -> tuple[int, int]:
-    """Compute capability of CUDA device ``index`` (None: the current one), cached per device."""
-    return _capability(index if index is not None else torch.cuda.current_device())
 
 
 def _triton_serves(t: torch.Tensor, op: str) -> tuple[bool, str]:
@@ -175,20 +155,3 @@ def implementation(path: str) -> Implementation:
         raise ValueError(f"no launcher for path {path!r}")
     _IMPLEMENTATIONS[path] = impl
     return impl
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-# Where no GPU is present (the interpreter in CI) the decisions that depend on the number
-# of SMs are made for an H100's 132, the GPU they were measured on.
-DEFAULT_SM_COUNT = 132
-
-
-def sm_count(device: torch.device | None) -> int:
-    """Streaming multiprocessors of a CUDA ``device``, from the device itself."""
-    if device is None or device.type != "cuda":
-        return DEFAULT_SM_COUNT
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

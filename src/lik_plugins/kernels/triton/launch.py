@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ..common import COMPACT_MAX_ROWS, argmax_dtype, inverse_norms
-from ..dispatch import sm_count
+from ..device import sm_count
 from ..reference import FP8_MAX, INT8_MAX
 from . import direct
 from .backward import (

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..common import SMOOTH_FUSED_MAX_DIM as MAX_DIM
-from ..dispatch import sm_count
+from ..device import sm_count
 from .direct import launch
 from .tuning import cdiv, interpreting, next_pow2
 
