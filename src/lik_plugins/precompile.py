@@ -2,7 +2,7 @@
 
     python -m lik_plugins.precompile [--hosts pylate colpali sentence_transformers ops]
                                      [--dtypes bf16 fp16 fp32] [--dims 128 96] [--arch sm_90]
-                                     [--list] [--jobs N]
+                                     [--list] [--jobs N] [--ship [--out DIR]]
 
 For a cluster image or a CI job: a process that later runs the same calls finds every binary
 in ``TRITON_CACHE_DIR`` (default ``~/.triton/cache``) and compiles nothing.  The entries are
@@ -21,6 +21,10 @@ call computes.  With no GPU of the target architecture at hand (``--arch``), Tri
 driver is swapped for one that only names the target (``_OfflineDriver``): Triton lowers to
 PTX and runs ``ptxas`` without a device.
 
+With ``--ship`` the same variants are built into the binaries the package ships
+(``kernels/triton/binaries/<arch>/``: cubins and a manifest, ``kernels/triton/binaries_build``)
+instead of Triton's cache; ``LIK_SHIPPED_BINARIES=1`` launches them without the JIT.
+
 Shapes outside the grid still run: a length in a bucket the grid did not reach, a batch
 whose size changes an integer's divisibility, or an unaligned view compiles its binary on
 first use (the call waits for it) -- never another code path.
@@ -32,6 +36,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -40,7 +45,7 @@ HOSTS = ("pylate", "colpali", "sentence_transformers", "ops")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # per architecture: (streaming multiprocessors, shared memory per block with opt-in) of the
 # GPU the launchers plan for; both decide blockings (grad_D splits, pipeline stages)
-TARGETS = {"sm_90": (132, 232448)}
+TARGETS = {"sm_80": (108, 166912), "sm_90": (132, 232448)}
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -231,15 +236,53 @@ def _compiling_for(arch: str):
         driver.set_active(None)
 
 
-def compile_all(todo: list[tuple], arch: str) -> None:
+def _require_jit(todo: list[tuple]) -> None:
     import triton
 
+    for kernel, _, _ in todo:
+        if type(kernel) is not triton.runtime.JITFunction:
+            raise SystemExit(f"precompile: {kernel!r} is not a Triton JIT function (the interpreter is on: "
+                             "unset TRITON_INTERPRET)")
+
+
+def compile_all(todo: list[tuple], arch: str) -> None:
+    _require_jit(todo)
+    on_device = _device_arch() == arch
     with _compiling_for(arch):
         for kernel, args, meta in todo:
-            if type(kernel) is not triton.runtime.JITFunction:
-                raise SystemExit(f"precompile: {kernel!r} is not a Triton JIT function (the interpreter is on: "
-                                 "unset TRITON_INTERPRET)")
-            kernel.warmup(*args, grid=(1,), **meta)
+            compiled = kernel.warmup(*args, grid=(1,), **meta)
+            if on_device:
+                # the launcher too: Triton releases that build a C launcher per signature
+                # (3.6) compile it with the C compiler at the first launch and cache it
+                # beside the binary; ``run`` builds it (and loads the binary) now
+                compiled.run
+
+
+def ship_part(todo: list[tuple], arch: str, out_root: str, part_file: str) -> None:
+    """A compiler process of ``--ship``: its share of the binaries, entries to ``part_file``."""
+    import json
+    from pathlib import Path
+
+    from .kernels.triton import binaries_build
+
+    _require_jit(todo)
+    entries = binaries_build.compile_part(todo, arch, Path(out_root) / arch)
+    Path(part_file).write_text(json.dumps(entries))
+
+
+def ship(todo: list[tuple], arch: str, out_root: str, parts: list[str]) -> str:
+    """Merge the processes' entries into the manifest; a line saying what was written."""
+    import json
+    from pathlib import Path
+
+    from .kernels.triton import binaries_build
+
+    entries = {}
+    for part in parts:
+        entries.update(json.loads(Path(part).read_text()))
+    out_dir = Path(out_root) / arch
+    binaries_build.write_manifest(todo, entries, arch, out_dir)
+    return f"shipped {len(entries)} binaries in {out_dir} ({binaries_build.folder_bytes(out_dir) / 2**20:.1f} MiB)"
 
 
 def main(argv=None) -> int:
@@ -251,7 +294,12 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true", help="print the variants, compile nothing")
     p.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 16),
                    help="compiler processes (Triton's compiler holds the GIL for much of its work)")
+    p.add_argument("--ship", action="store_true",
+                   help="build the binaries the package ships (cubins + manifest), not Triton's cache")
+    p.add_argument("--out", default=None,
+                   help="with --ship: the binaries folder (default: the package's kernels/triton/binaries)")
     p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--part-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     arch = args.arch or _device_arch()
     if arch is None:
@@ -262,19 +310,34 @@ def main(argv=None) -> int:
             print(describe(*v))
         print(f"{len(todo)} variants for {arch}")
         return 0
+    out_root = args.out or str(_binaries_dir())
     if args.shard is not None:
         index, count = map(int, args.shard.split("/"))
-        compile_all(todo[index::count], arch)
+        if args.ship:
+            ship_part(todo[index::count], arch, out_root, args.part_file)
+        else:
+            compile_all(todo[index::count], arch)
         return 0
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(todo)))
     given = list(argv if argv is not None else sys.argv[1:])
-    workers = [subprocess.Popen([sys.executable, "-m", "lik_plugins.precompile", *given, "--arch", arch,
-                                 "--shard", f"{i}/{jobs}"]) for i in range(jobs)]
-    failed = sum(w.wait() != 0 for w in workers)
-    print(f"{len(todo)} variants for {arch} in {time.perf_counter() - t0:.1f} s ({jobs} processes)"
-          + (f"; {failed} failed" if failed else ""))
+    with tempfile.TemporaryDirectory() as scratch:
+        parts = [os.path.join(scratch, f"part{i}.json") for i in range(jobs)]
+        workers = [subprocess.Popen([sys.executable, "-m", "lik_plugins.precompile", *given, "--arch", arch,
+                                     "--out", out_root, "--shard", f"{i}/{jobs}", "--part-file", parts[i]])
+                   for i in range(jobs)]
+        failed = sum(w.wait() != 0 for w in workers)
+        print(f"{len(todo)} variants for {arch} in {time.perf_counter() - t0:.1f} s ({jobs} processes)"
+              + (f"; {failed} failed" if failed else ""))
+        if args.ship and not failed:
+            print(ship(todo, arch, out_root, parts))
     return 1 if failed else 0
+
+
+def _binaries_dir():
+    from .kernels.triton.binaries_loader import BINARIES_DIR
+
+    return BINARIES_DIR
 
 
 if __name__ == "__main__":

@@ -1,0 +1,120 @@
+"""Build the shipped kernel binaries (``binaries/<arch>/``): run by
+``python -m lik_plugins.precompile --ship``, on any machine (no GPU needed).
+
+Each variant is compiled by the installed Triton through the JIT's own ``warmup`` (so it is
+the binary the JIT would build for that launch), and what a launch needs is read from the
+compiled kernel: the cubin, the function name, warps and shared memory, and from its
+signature which positional arguments Triton kept as parameters and with which type (the
+ones it compiled in -- constexprs, integers equal to 1, ``None`` -- are not passed).  That
+list is checked against the parameters the PTX entry declares (count and sizes, the two
+scratch pointers last), so a Triton whose kernel ABI differs fails the build, not a launch.
+Kernels that need more than the loader does (scratch memory, clusters, programmatic
+dependent launch, cooperative grids, tensor descriptors) are refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from . import binaries_cuda as cuda
+from .binaries_loader import FORMAT, source_hash, variant_key
+
+_PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr)?(?:\s+\.global)?(?:\s+\.align\s+\d+)?\s+(\w+)")
+_PTX_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
+
+
+def ptx_param_sizes(ptx: str, function: str) -> list[int]:
+    """The sizes of the parameters the PTX entry ``function`` declares, in order."""
+    start = ptx.index(f".entry {function}(")
+    header = ptx[start:ptx.index(")", start)]
+    return [_PTX_BYTES[ty[1:]] for ty, _ in _PTX_PARAM.findall(header)]
+
+
+def entry_for(kernel, args: tuple, meta: dict, compiled) -> dict:
+    """The manifest entry of one compiled variant (its cubin is ``compiled.asm['cubin']``)."""
+    md = compiled.metadata
+    name = md.name
+    refused = [why for why, bad in (
+        ("global scratch memory", md.global_scratch_size), ("profile scratch memory", md.profile_scratch_size),
+        ("thread-block clusters", md.num_ctas != 1), ("programmatic dependent launch", md.launch_pdl),
+        ("a cooperative grid", md.launch_cooperative_grid), ("tensor descriptors", getattr(md, "tensordesc_meta", None)),
+    ) if bad]
+    if refused:
+        raise ValueError(f"{name}: needs {', '.join(refused)}, which the shipped-binary loader does not set up")
+    types = list(compiled.src.signature.values())
+    if any(isinstance(t, tuple) for t in types):
+        raise ValueError(f"{name}: tuple arguments are not supported by the shipped-binary loader")
+    if any(t != "constexpr" for t in types[len(args):]):
+        raise ValueError(f"{name}: a parameter after the positional arguments is not a constexpr")
+    codes = "".join(cuda.param_code(t) for t in types[:len(args)])
+    declared = ptx_param_sizes(compiled.asm["ptx"], name)
+    expected = cuda.LaunchLayout(codes).param_sizes()
+    if declared != expected:
+        raise ValueError(f"{name}: the PTX declares parameters of {declared} bytes, the signature gives {expected} "
+                         "(a Triton whose kernel ABI this loader does not know)")
+    cubin = compiled.asm["cubin"]
+    return {"kernel": name, "function": name, "file": hashlib.sha256(cubin).hexdigest()[:24] + ".cubin",
+            "num_warps": md.num_warps, "shared": md.shared, "params": codes}
+
+
+def compile_part(todo: list[tuple], arch: str, out_dir: Path) -> dict:
+    """Compile ``todo`` (``(kernel, args, meta)`` launches) for ``arch``, write their
+    cubins into ``out_dir`` and return ``{key: entry}``."""
+    from ... import precompile
+    from . import direct
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = {}
+    with precompile._compiling_for(arch):
+        for kernel, args, meta in todo:
+            compiled = kernel.warmup(*args, grid=(1,), **meta)
+            entry = entry_for(kernel, args, meta, compiled)
+            path = out_dir / entry["file"]
+            if not path.exists():
+                path.write_bytes(compiled.asm["cubin"])
+            entries[variant_key(direct.variant(kernel, args, meta))] = entry
+    return entries
+
+
+def ptxas_release() -> tuple[int, int]:
+    """(major, minor) of the ``ptxas`` Triton compiles with."""
+    import triton
+
+    text = subprocess.run([triton.knobs.nvidia.ptxas.path, "--version"], capture_output=True, text=True,
+                          check=True).stdout
+    major, minor = re.search(r"release (\d+)\.(\d+)", text).groups()
+    return int(major), int(minor)
+
+
+def write_manifest(todo: list[tuple], entries: dict, arch: str, out_dir: Path) -> dict:
+    """``out_dir/manifest.json`` for the merged ``entries``; cubins no entry names are removed."""
+    import triton
+    import torch
+
+    from . import direct
+
+    kernels = {}
+    for kernel, _, _ in todo:
+        kernels.setdefault(direct._kernel_name(kernel), source_hash(kernel))
+    major, minor = ptxas_release()
+    manifest = {
+        "format": FORMAT, "arch": arch,
+        "built_with": {"triton": triton.__version__, "torch": torch.__version__, "ptxas": f"{major}.{minor}"},
+        # a cubin needs a driver of its ptxas' major CUDA release or newer (minor-version compatibility)
+        "cuda_driver": major * 1000,
+        "kernels": dict(sorted(kernels.items())),
+        "variants": dict(sorted(entries.items())),
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    used = {e["file"] for e in entries.values()}
+    for path in out_dir.glob("*.cubin"):
+        if path.name not in used:
+            path.unlink()
+    return manifest
+
+
+def folder_bytes(out_dir: Path) -> int:
+    return sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())

@@ -1,0 +1,230 @@
+"""The CUDA driver API through ``ctypes``: load a shipped kernel binary and launch it.
+
+This is the part of a Triton launch that does not depend on Triton: ``cuModuleLoadData``
+and ``cuModuleGetFunction`` once per binary and device, ``cuLaunchKernel`` on PyTorch's
+current stream per call.  The kernel's parameters are the arguments Triton kept when it
+compiled the variant (constexprs and integers specialised to 1 are compiled in, so they
+are not passed), then two null pointers: the global and profile scratch buffers every
+Triton kernel of the supported releases takes last (the binaries shipped need neither:
+the build refuses kernels that use scratch memory).
+
+One :class:`LaunchLayout` per variant is built at load time: a buffer with one 8-byte slot
+per parameter, the array of slot addresses ``cuLaunchKernel`` reads, and one
+``struct.Struct`` that writes a call's values into the slots in one step.  A call then
+costs the packing and the foreign call, nothing per argument in Python beyond reading
+tensors' addresses.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from operator import itemgetter
+
+# parameter codes (the manifest's ``params``): one character per positional argument
+POINTER, INT32, INT64, UINT64, FLOAT32, INT8, DROPPED = "P", "i", "l", "Q", "f", "B", "-"
+# each parameter in its own 8-byte slot, little-endian, padded explicitly (no native alignment)
+_SLOT = {POINTER: "Q", INT32: "i4x", INT64: "q", UINT64: "Q", FLOAT32: "f4x", INT8: "B7x"}
+# the size the kernel's own parameter has, for the load-time check against the binary
+PARAM_BYTES = {POINTER: 8, INT32: 4, INT64: 8, UINT64: 8, FLOAT32: 4, INT8: 1}
+# Triton's argument types (the compiled signature) -> parameter code
+TRITON_TYPES = {"i32": INT32, "i64": INT64, "u64": UINT64, "fp32": FLOAT32, "f32": FLOAT32, "i1": INT8,
+                "u1": INT8, "constexpr": DROPPED}
+SCRATCH_POINTERS = 2
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_CONTEXT = 201
+_FUNC_MAX_DYNAMIC_SHARED = 8          # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_FUNC_STATIC_SHARED = 1               # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+_FUNC_MAX_THREADS = 0                 # CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+_DEVICE_SHARED_OPTIN = 97             # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+_DEVICE_CC_MAJOR, _DEVICE_CC_MINOR = 75, 76
+_CACHE_PREFER_SHARED = 1              # CU_FUNC_CACHE_PREFER_SHARED
+_STATIC_SHARED_LIMIT = 49152          # above this a kernel must opt in to dynamic shared memory
+
+
+def param_code(triton_type: str) -> str:
+    """The parameter code of one entry of a compiled Triton signature (``*bf16`` -> pointer)."""
+    if triton_type.startswith("*"):
+        return POINTER
+    code = TRITON_TYPES.get(triton_type)
+    if code is None:
+        raise ValueError(f"no shipped-binary parameter for Triton type {triton_type!r}")
+    return code
+
+
+class LaunchLayout:
+    """The parameter memory of one variant: ``codes`` has one code per positional argument
+    of the launch (``-`` for those compiled in), followed by the scratch pointers."""
+
+    def __init__(self, codes: str):
+        kept = [i for i, c in enumerate(codes) if c != DROPPED]
+        kept_codes = [codes[i] for i in kept]
+        self.codes = codes
+        self.slots = len(kept) + SCRATCH_POINTERS
+        self.buffer = ctypes.create_string_buffer(8 * self.slots)      # scratch slots stay 0: null pointers
+        base = ctypes.addressof(self.buffer)
+        self.params = (ctypes.c_void_p * self.slots)(*[base + 8 * k for k in range(self.slots)])
+        self._pack = struct.Struct("<" + "".join(_SLOT[c] for c in kept_codes)).pack_into
+        self._n_args = len(codes)
+        if len(kept) == 1:
+            self._take = lambda args, i=kept[0]: (args[i],)
+        else:
+            self._take = itemgetter(*kept) if kept else (lambda args: ())
+        self._pointer_slots = tuple(k for k, c in enumerate(kept_codes) if c == POINTER)
+        self._empty = not kept
+
+    def pack(self, args) -> None:
+        """Write one call's arguments into the slots (tensors as their device addresses)."""
+        if len(args) != self._n_args:
+            raise TypeError(f"the binary takes {self._n_args} positional arguments, the launch passed {len(args)}")
+        if self._empty:
+            return
+        values = list(self._take(args))
+        for k in self._pointer_slots:
+            values[k] = values[k].data_ptr()
+        self._pack(self.buffer, 0, *values)
+
+    def param_sizes(self) -> list[int]:
+        """The size of each kernel parameter in order, scratch pointers included."""
+        return [PARAM_BYTES[c] for c in self.codes if c != DROPPED] + [8] * SCRATCH_POINTERS
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+class Driver:
+    """The driver entry points the loader uses, from ``libcuda.so.1`` (or a stand-in with
+    the same functions, for tests)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        vp, i, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+        for name, argtypes in (
+                ("cuInit", [u]), ("cuDriverGetVersion", [ctypes.POINTER(i)]),
+                ("cuDeviceGet", [ctypes.POINTER(i), i]),
+                ("cuDeviceGetAttribute", [ctypes.POINTER(i), i, i]),
+                ("cuCtxGetCurrent", [ctypes.POINTER(vp)]), ("cuCtxSetCurrent", [vp]),
+                ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), i]),
+                ("cuModuleLoadData", [ctypes.POINTER(vp), ctypes.c_char_p]),
+                ("cuModuleGetFunction", [ctypes.POINTER(vp), vp, ctypes.c_char_p]),
+                ("cuFuncGetAttribute", [ctypes.POINTER(i), i, vp]), ("cuFuncSetAttribute", [vp, i, i]),
+                ("cuFuncSetCacheConfig", [vp, i]),
+                ("cuLaunchKernel", [vp, u, u, u, u, u, u, u, vp, vp, vp]),
+                ("cuGetErrorString", [i, ctypes.POINTER(ctypes.c_char_p)])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        # CUDA 12.4+: the size of each parameter of a loaded function (a check, where present)
+        self._param_info = getattr(lib, "cuFuncGetParamInfo", None)
+        if self._param_info is not None:
+            self._param_info.argtypes = [vp, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+                                         ctypes.POINTER(ctypes.c_size_t)]
+            self._param_info.restype = ctypes.c_int
+        self._launch = lib.cuLaunchKernel
+        self._contexts: dict[int, int] = {}
+        self._check(lib.cuInit(0), "cuInit")
+
+    @classmethod
+    def open(cls) -> "Driver":
+        return cls(ctypes.CDLL("libcuda.so.1"))
+
+    def _check(self, code: int, what: str) -> None:
+        if code != CUDA_SUCCESS:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorString(code, ctypes.byref(text))
+            raise CudaError(f"{what}: CUDA error {code} ({(text.value or b'?').decode()})")
+
+    def _int(self, fn, *args) -> int:
+        out = ctypes.c_int()
+        self._check(getattr(self.lib, fn)(ctypes.byref(out), *args), fn)
+        return out.value
+
+    def version(self) -> int:
+        """The driver's CUDA version, e.g. 13000 for 13.0."""
+        return self._int("cuDriverGetVersion")
+
+    def capability(self, ordinal: int) -> tuple[int, int]:
+        device = self._int("cuDeviceGet", ordinal)
+        return (self._int("cuDeviceGetAttribute", _DEVICE_CC_MAJOR, device),
+                self._int("cuDeviceGetAttribute", _DEVICE_CC_MINOR, device))
+
+    def make_current(self, ordinal: int) -> None:
+        """Make the device's primary context (the one PyTorch uses) current in this thread."""
+        ctx = self._contexts.get(ordinal)
+        if ctx is None:
+            device = self._int("cuDeviceGet", ordinal)
+            handle = ctypes.c_void_p()
+            self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), device), "cuDevicePrimaryCtxRetain")
+            ctx = self._contexts[ordinal] = handle.value
+        current = ctypes.c_void_p()
+        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value != ctx:
+            self._check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def load(self, image: bytes, name: str, shared: int, threads: int, ordinal: int) -> int:
+        """Load ``image`` (a cubin) into the device's primary context; the handle of its
+        function ``name``, set up to take ``shared`` bytes of dynamic shared memory."""
+        self.make_current(ordinal)
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(self.lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+        self._check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
+                    "cuModuleGetFunction")
+        handle = function.value
+        if threads > self._int("cuFuncGetAttribute", _FUNC_MAX_THREADS, handle):
+            raise CudaError(f"{name}: {threads} threads per block exceed what the binary allows")
+        device = self._int("cuDeviceGet", ordinal)
+        optin = self._int("cuDeviceGetAttribute", _DEVICE_SHARED_OPTIN, device)
+        if shared > optin:
+            raise CudaError(f"{name}: needs {shared} bytes of shared memory, the device has {optin}")
+        if shared > _STATIC_SHARED_LIMIT:
+            # as Triton's own loader: prefer shared memory and allow all the device opts in to
+            static = self._int("cuFuncGetAttribute", _FUNC_STATIC_SHARED, handle)
+            self._check(self.lib.cuFuncSetCacheConfig(handle, _CACHE_PREFER_SHARED), "cuFuncSetCacheConfig")
+            self._check(self.lib.cuFuncSetAttribute(handle, _FUNC_MAX_DYNAMIC_SHARED, optin - static),
+                        "cuFuncSetAttribute")
+        return handle
+
+    def param_sizes(self, function: int) -> list[int] | None:
+        """The sizes of the function's parameters as the binary declares them (``None``
+        where the driver cannot tell: before CUDA 12.4)."""
+        if self._param_info is None:
+            return None
+        sizes, offset, size = [], ctypes.c_size_t(), ctypes.c_size_t()
+        while self._param_info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size)) == CUDA_SUCCESS:
+            sizes.append(size.value)
+        return sizes
+
+    def launch(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, stream: int, params,
+               ordinal: int) -> None:
+        code = self._launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream, params, None)
+        if code == CUDA_ERROR_INVALID_CONTEXT:     # a thread that has not used this device yet
+            self.make_current(ordinal)
+            code = self._launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream, params, None)
+        if code != CUDA_SUCCESS:
+            self._check(code, "cuLaunchKernel")
+
+
+class ShippedKernel:
+    """One loaded binary on one device: ``kernel(grid, stream, args)`` launches it."""
+
+    __slots__ = ("name", "driver", "function", "threads", "shared", "layout", "ordinal", "_lock")
+
+    def __init__(self, name: str, driver: Driver, function: int, num_warps: int, shared: int, layout: LaunchLayout,
+                 ordinal: int):
+        self.name, self.driver, self.function = name, driver, function
+        self.threads, self.shared, self.layout, self.ordinal = 32 * num_warps, shared, layout, ordinal
+        # the slots are shared by every call of this variant; the driver call releases the
+        # GIL, so two threads launching it at once must not interleave packing and launch
+        self._lock = threading.Lock()
+
+    def __call__(self, grid: tuple, stream: int, args: tuple) -> None:
+        gx = grid[0]
+        gy = grid[1] if len(grid) > 1 else 1
+        gz = grid[2] if len(grid) > 2 else 1
+        if gx * gy * gz == 0:
+            return
+        with self._lock:
+            self.layout.pack(args)
+            self.driver.launch(self.function, (gx, gy, gz), self.threads, self.shared, stream, self.layout.params,
+                               self.ordinal)

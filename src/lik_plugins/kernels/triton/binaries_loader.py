@@ -1,0 +1,251 @@
+"""Kernel binaries shipped with the package, launched without Triton's JIT.
+
+``binaries/<arch>/manifest.json`` lists, per variant a host's calls reach (the key
+:func:`lik_plugins.kernels.triton.direct.variant` gives a launch: kernel, constexprs and
+options, argument features), the cubin file and what launching it takes: the function
+name, warps, shared memory, and one parameter code per positional argument
+(:mod:`binaries_cuda`).  ``python -m lik_plugins.precompile --ship`` writes them
+(:mod:`binaries_build`).  :func:`find` is the direct launcher's first stop for a launch it
+has no plan for; where it answers ``None`` the launch goes through the JIT as before, and
+:func:`diagnostics` says why.
+
+Nothing here imports Triton's compiler or driver: the binaries load through the CUDA
+driver API, so the installed Triton's version does not matter, only the kernels' source
+(each kernel's :func:`source_hash`, checked against the manifest: a kernel edited since the
+binaries were built compiles through the JIT instead).  Before the first shipped launch on
+a device, the self-check kernel's binary runs twice (other lengths, another scalar) and its
+output is compared with the values it must write; any failure there -- no ``libcuda``, a
+driver older than the binaries, a load error, a wrong value -- leaves the device on the
+JIT path, with the reason.  Opt-in with ``LIK_SHIPPED_BINARIES=1``.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import textwrap
+import threading
+import types
+from pathlib import Path
+
+import torch
+
+from . import binaries_cuda as cuda
+
+BINARIES_DIR = Path(__file__).with_name("binaries")
+FORMAT = 1
+_PACKAGE = __name__.split(".")[0] + "."
+
+_lock = threading.Lock()
+_driver: list = []                 # [Driver] or [reason]: opened once per process
+_devices: dict = {}                # ordinal -> _Device, or the reason it serves nothing
+_stale: dict = {}                  # kernel name -> reason its binaries are not used
+_missing: dict = {}                # kernel name -> launches with no shipped binary
+_hashes: dict = {}                 # id(kernel) -> source_hash(kernel)
+
+
+def source_hash(kernel) -> str:
+    """A digest of a Triton kernel's source and of what it reads at compile time: the
+    source of every JIT function it calls (through a global name or a module attribute),
+    transitively, and the values of the plain constants it names."""
+    digest = hashlib.sha256()
+    seen: set = set()
+
+    def visit(jit) -> None:
+        fn = getattr(jit, "fn", jit)
+        fn = getattr(fn, "fn", fn)                  # an Autotuner wraps the JIT function
+        if id(fn) in seen:
+            return
+        seen.add(id(fn))
+        digest.update(textwrap.dedent(inspect.getsource(fn)).encode())
+        names = _names(fn.__code__)
+        scope = fn.__globals__
+        for name in sorted(names):
+            value = scope.get(name)
+            if isinstance(value, types.ModuleType):
+                for attr in sorted(names):
+                    _note(getattr(value, attr, None), f"{name}.{attr}", visit)
+            else:
+                _note(value, name, visit)
+
+    def _note(value, label, visit_jit) -> None:
+        if value is None:
+            return
+        if hasattr(value, "fn") and callable(value):
+            # our JIT functions only: Triton's own (``tl.max``, ...) belong to the compiler
+            # that built the binary, and hashing them would tie the key to a Triton release
+            if getattr(getattr(value, "fn", None), "__module__", "").startswith(_PACKAGE):
+                visit_jit(value)
+        elif isinstance(value, (bool, int, float, str)) or type(value).__name__ == "constexpr":
+            digest.update(f"{label}={getattr(value, 'value', value)!r};".encode())
+
+    visit(kernel)
+    return digest.hexdigest()
+
+
+def _names(code) -> set:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _kernel_hash(kernel) -> str:
+    value = _hashes.get(id(kernel))
+    if value is None:
+        value = _hashes[id(kernel)] = source_hash(kernel)
+    return value
+
+
+def read_manifest(arch: str, root: Path = BINARIES_DIR) -> dict:
+    """``binaries/<arch>/manifest.json``, checked for its format."""
+    path = root / arch / "manifest.json"
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, this loader reads {FORMAT}")
+    return manifest
+
+
+class _Device:
+    """The shipped binaries of one device: the manifest of its architecture and the
+    variants loaded so far."""
+
+    def __init__(self, driver: cuda.Driver, ordinal: int, arch: str, manifest: dict, root: Path):
+        self.driver, self.ordinal, self.arch, self.root = driver, ordinal, arch, root
+        self.entries = manifest["variants"]
+        self.kernels = manifest["kernels"]
+        self.loaded: dict = {}
+
+    def kernel(self, key: str):
+        found = self.loaded.get(key)
+        if found is None:
+            entry = self.entries.get(key)
+            if entry is None:
+                return None
+            found = self.loaded[key] = self._load(entry)
+        return found
+
+    def _load(self, entry: dict) -> cuda.ShippedKernel:
+        layout = cuda.LaunchLayout(entry["params"])
+        image = (self.root / self.arch / entry["file"]).read_bytes()
+        function = self.driver.load(image, entry["function"], entry["shared"], 32 * entry["num_warps"], self.ordinal)
+        declared = self.driver.param_sizes(function)
+        if declared is not None and declared != layout.param_sizes():
+            raise cuda.CudaError(f"{entry['function']}: the binary takes parameters of {declared} bytes, "
+                                 f"the manifest says {layout.param_sizes()}")
+        return cuda.ShippedKernel(entry["function"], self.driver, function, entry["num_warps"], entry["shared"],
+                                  layout, self.ordinal)
+
+
+def _open_driver():
+    if not _driver:
+        try:
+            _driver.append(cuda.Driver.open())
+        except (OSError, AttributeError, cuda.CudaError) as exc:
+            _driver.append(f"no usable CUDA driver library ({type(exc).__name__}: {exc})")
+    return _driver[0]
+
+
+def _open_device(ordinal: int):
+    """The device's :class:`_Device`, or the reason it launches nothing shipped."""
+    root = BINARIES_DIR
+    driver = _open_driver()
+    if isinstance(driver, str):
+        return driver
+    try:
+        major, minor = driver.capability(ordinal)
+    except cuda.CudaError as exc:
+        return f"device {ordinal}: {exc}"
+    arch = f"sm_{major}{minor}"
+    if not (root / arch / "manifest.json").is_file():
+        return f"no shipped binaries for {arch}"
+    try:
+        manifest = read_manifest(arch, root)
+        need = manifest["cuda_driver"]
+        have = driver.version()
+        if have < need:
+            return f"the CUDA driver ({have}) is older than the binaries need ({need})"
+        device = _Device(driver, ordinal, arch, manifest, root)
+        if not _self_check(device):
+            return "the shipped self-check kernel wrote other values than it must"
+    except Exception as exc:    # a load or launch error of the check: this device stays on the JIT
+        return f"the shipped self-check failed ({type(exc).__name__}: {exc})"
+    return device
+
+
+def _self_check(device: _Device) -> bool:
+    """Two launches of the shipped self-check binary with other lengths, scalars and
+    outputs; results copied to the host and compared there (no other GPU kernel runs)."""
+    from . import direct
+
+    x_host = torch.arange(100, dtype=torch.float32)
+    x = x_host.to(f"cuda:{device.ordinal}")
+    outs = [torch.full((100,), -1.0).to(x.device) for _ in direct._CHECK_CALLS]
+    stream = torch._C._cuda_getCurrentRawStream(device.ordinal)
+    for out, (n, scale) in zip(outs, direct._CHECK_CALLS):
+        args = (x, out, n, scale)
+        shipped = device.kernel(variant_key(direct.variant(direct.self_check_kernel, args, direct._CHECK_META)))
+        if shipped is None:
+            return False
+        shipped((2,), stream, args)
+    got = [o.cpu() for o in outs]
+    want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in direct._CHECK_CALLS]
+    return all(torch.equal(o, w) for o, w in zip(got, want))
+
+
+def variant_key(variant: tuple) -> str:
+    """The manifest's key of a :func:`direct.variant` tuple."""
+    return repr(variant)
+
+
+def find(kernel, variant: tuple, ordinal: int):
+    """The shipped binary for a launch of ``kernel`` whose :func:`direct.variant` is
+    ``variant`` on CUDA device ``ordinal``, loaded on first use; ``None`` where there is none
+    or it cannot be used here (:func:`diagnostics` says why)."""
+    device = _devices.get(ordinal)
+    if device is None:
+        if not isinstance(_open_driver(), str) and torch.cuda.is_current_stream_capturing():
+            return None                                  # the self-check copies to the host
+        with _lock:
+            device = _devices.get(ordinal)
+            if device is None:
+                device = _devices[ordinal] = _open_device(ordinal)
+    if isinstance(device, str):
+        return None
+    name = variant[0]
+    if name in _stale:
+        return None
+    if device.kernels.get(name) != _kernel_hash(kernel):
+        _stale[name] = (f"{name}: its source differs from the one the {device.arch} binaries were built from"
+                        if name in device.kernels else f"{name}: not among the shipped kernels")
+        return None
+    try:
+        shipped = device.kernel(variant_key(variant))
+    except Exception as exc:
+        _stale[name] = f"{name}: a binary failed to load ({type(exc).__name__}: {exc})"
+        return None
+    if shipped is None:
+        _missing[name] = _missing.get(name, 0) + 1
+    return shipped
+
+
+def diagnostics() -> dict:
+    """What the shipped binaries serve in this process and, where they serve nothing, why:
+    ``devices`` (ordinal -> architecture and loaded variants, or the reason), ``kernels``
+    whose binaries are not used (name -> reason), ``missing`` (name -> launches of a variant
+    not shipped, which went through the JIT)."""
+    devices = {}
+    for ordinal, device in sorted(_devices.items()):
+        devices[ordinal] = device if isinstance(device, str) else {
+            "arch": device.arch, "shipped": len(device.entries), "loaded": len(device.loaded)}
+    return {"devices": devices, "kernels": dict(_stale), "missing": dict(_missing)}
+
+
+def reset() -> None:
+    """Forget every device and reason (the next launch opens them again); tests use it."""
+    _driver.clear()
+    _devices.clear()
+    _stale.clear()
+    _missing.clear()
+    _hashes.clear()

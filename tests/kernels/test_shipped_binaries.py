@@ -1,0 +1,330 @@
+"""The shipped-binary loader without a GPU: the argument memory a launch hands the driver
+(through a stand-in ``libcuda`` built from ``fake_libcuda.c``), the manifest a build writes
+and the loader reads back, and the clean fallbacks (no driver, no binaries for the GPU, a
+kernel edited since the build, a binary whose parameters differ).  That the binaries
+compute what the JIT's do needs a GPU: ``tests/gpu/test_gpu_shipped_binaries.py``."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lik_plugins.kernels import dispatch
+
+pytestmark = pytest.mark.skipif(not dispatch.triton_available(), reason="needs triton")
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler for the stand-in libcuda")
+    so = tmp_path_factory.mktemp("stub") / "libcuda_stub.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", str(HERE / "fake_libcuda.c"), "-o", str(so)], check=True)
+    return ctypes.CDLL(str(so))
+
+
+def _set(lib, name, value, kind=ctypes.c_int):
+    kind.in_dll(lib, name).value = value
+
+
+def _get(lib, name, kind=ctypes.c_int):
+    return kind.in_dll(lib, name).value
+
+
+class _Ptr:
+    """A tensor stand-in: only its device address matters to the packing."""
+
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+def test_each_argument_lands_in_its_slot_with_its_width(stub):
+    from lik_plugins.kernels.triton import binaries_cuda as cuda
+
+    codes = "PiP-lfBQ-i"
+    args = (_Ptr(0x7F0000001000), -5, _Ptr(0x7F0000002000), 1, 2**40 + 3, 0.1, True, 2**63 + 7, None, 2**31 - 1)
+    driver = cuda.Driver(stub)
+    layout = cuda.LaunchLayout(codes)
+    assert layout.param_sizes() == [8, 4, 8, 8, 4, 1, 8, 4, 8, 8]      # 8 kept arguments, then two scratch pointers
+    kernel = cuda.ShippedKernel("k", driver, 0x3000, 4, 1024, layout, 0)
+    _set(stub, "n_copied", layout.slots)
+    kernel((5, 2), 0xABC, args)
+    raw = (ctypes.c_uint64 * layout.slots).in_dll(stub, "launched_params")
+    # what each slot must hold, from the arguments alone (little-endian, value in the low bytes)
+    want = [0x7F0000001000, struct.unpack("<I", struct.pack("<i", -5))[0], 0x7F0000002000, 2**40 + 3,
+            struct.unpack("<I", struct.pack("<f", 0.1))[0], 1, 2**63 + 7, 2**31 - 1, 0, 0]
+    assert list(raw) == want
+    assert list((ctypes.c_uint * 3).in_dll(stub, "launched_grid")) == [5, 2, 1]
+    assert list((ctypes.c_uint * 3).in_dll(stub, "launched_block")) == [128, 1, 1]
+    assert _get(stub, "launched_shared", ctypes.c_uint) == 1024
+    assert ctypes.c_void_p.in_dll(stub, "launched_stream").value == 0xABC
+    # the next call's values replace the last ones; an empty grid launches nothing
+    launches = _get(stub, "launches")
+    kernel((1,), 0, (_Ptr(16), 7, _Ptr(32), 1, 0, -1.5, False, 0, None, 3))
+    assert list(raw)[:2] == [16, 7] and list(raw)[4] == struct.unpack("<I", struct.pack("<f", -1.5))[0]
+    kernel((0, 4), 0, args)
+    assert _get(stub, "launches") == launches + 1
+    with pytest.raises(TypeError):
+        kernel((1,), 0, args[:-1])
+
+
+def test_loading_opts_in_to_large_shared_memory_and_checks_limits(stub):
+    from lik_plugins.kernels.triton import binaries_cuda as cuda
+
+    driver = cuda.Driver(stub)
+    _set(stub, "static_shared", 1024)
+    _set(stub, "dynamic_shared_set", -1)
+    driver.load(b"\0", "k", 40000, 128, 0)
+    assert _get(stub, "dynamic_shared_set") == -1           # under 48 KiB: nothing to set
+    driver.load(b"\0", "k", 100000, 128, 0)
+    assert _get(stub, "dynamic_shared_set") == 232448 - 1024
+    with pytest.raises(cuda.CudaError, match="shared memory"):
+        driver.load(b"\0", "k", 232449, 128, 0)
+    with pytest.raises(cuda.CudaError, match="threads"):
+        driver.load(b"\0", "k", 0, 2048, 0)
+    _set(stub, "fail_load", 1)
+    try:
+        with pytest.raises(cuda.CudaError, match="cuModuleLoadData: CUDA error 200"):
+            driver.load(b"\0", "k", 0, 128, 0)
+    finally:
+        _set(stub, "fail_load", 0)
+
+
+def test_param_codes_follow_triton_types():
+    from lik_plugins.kernels.triton import binaries_cuda as cuda
+
+    assert [cuda.param_code(t) for t in ("*bf16", "*fp32", "i32", "i64", "fp32", "i1", "constexpr")] == \
+        ["P", "P", "i", "l", "f", "B", "-"]
+    with pytest.raises(ValueError):
+        cuda.param_code("fp16")          # Triton passes Python floats as fp32: anything else is unknown here
+
+
+# ----------------------------------------------------------------------------- build + manifest
+def _compile_env():
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Two variants (the self-check and PyLate's first forward) built for sm_90 offline and
+    written as the package would ship them, in a subprocess (the real compiler, not the
+    interpreter); their manifest, and the PTX parameter sizes of the forward."""
+    out = tmp_path_factory.mktemp("binaries")
+    code = f"""
+import json, torch
+from pathlib import Path
+from lik_plugins import precompile as p
+from lik_plugins.kernels.triton import binaries_build as b
+todo = p.variants(['pylate'], [torch.bfloat16], [128], 'sm_90')
+first = {{}}
+for v in todo:
+    first.setdefault(p.describe(*v).split()[0], v)
+pick = [first['self_check_kernel'], first['maxsim_fwd_kernel']]
+entries = b.compile_part(pick, 'sm_90', Path({str(out)!r}) / 'sm_90')
+b.write_manifest(pick, entries, 'sm_90', Path({str(out)!r}) / 'sm_90')
+"""
+    done = subprocess.run([sys.executable, "-c", code], env=_compile_env(), capture_output=True, text=True,
+                          timeout=900)
+    if done.returncode != 0 and "ptxas" in done.stderr.lower():
+        pytest.skip(f"no usable ptxas for sm_90 here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_manifest_round_trip(built):
+    from lik_plugins.kernels.triton import binaries_loader as loader
+    from lik_plugins.kernels.triton import direct, forward
+
+    manifest = loader.read_manifest("sm_90", built)
+    assert manifest["arch"] == "sm_90" and manifest["cuda_driver"] >= 12000
+    # the kernels' source digests are the ones this process computes (interpreted or not)
+    assert manifest["kernels"]["self_check_kernel"] == loader.source_hash(direct.self_check_kernel)
+    assert manifest["kernels"]["maxsim_fwd_kernel"] == loader.source_hash(forward.maxsim_fwd_kernel)
+    assert len(manifest["variants"]) == 2
+    x = torch.zeros(100)
+    key = loader.variant_key(direct.variant(direct.self_check_kernel, (x, x, 91, 3.0), direct._CHECK_META))
+    entry = manifest["variants"][key]
+    # X, OUT pointers, n (not specialised: int32), scale (fp32); BLOCK is a constexpr after them
+    assert entry["params"] == "PPif" and entry["function"] == "self_check_kernel"
+    assert entry["num_warps"] == 4 and entry["shared"] >= 0
+    cubin = (built / "sm_90" / entry["file"]).read_bytes()
+    assert cubin[:4] == b"\x7fELF"
+    assert sorted(p.name for p in (built / "sm_90").glob("*.cubin")) == \
+        sorted(e["file"] for e in manifest["variants"].values())
+    fwd = next(e for e in manifest["variants"].values() if e["kernel"] == "maxsim_fwd_kernel")
+    # integers specialised to 1 (unit strides) are compiled in, not passed
+    assert "-" in fwd["params"] and set(fwd["params"]) <= set("PilfB-")
+
+
+def test_ptx_parameter_sizes_are_read_from_the_entry():
+    from lik_plugins.kernels.triton.binaries_build import ptx_param_sizes
+
+    ptx = """
+.visible .entry k(
+\t.param .u64 .ptr .global .align 1 k_param_0,
+\t.param .u32 k_param_1,
+\t.param .f32 k_param_2,
+\t.param .u8 k_param_3,
+\t.param .u64 .ptr .global .align 1 k_param_4
+)
+{ ld.param.b32 %r1, [k_param_1]; }"""
+    assert ptx_param_sizes(ptx, "k") == [8, 4, 4, 1, 8]
+
+
+# ----------------------------------------------------------------------------- fallbacks
+@pytest.fixture
+def fresh_loader():
+    from lik_plugins.kernels.triton import binaries_loader as loader
+
+    loader.reset()
+    yield loader
+    loader.reset()
+
+
+def test_no_driver_library_is_a_reason_not_an_error(fresh_loader, monkeypatch):
+    from lik_plugins.kernels.triton import binaries_cuda as cuda
+    from lik_plugins.kernels.triton import direct
+
+    def no_library(cls):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(cuda.Driver, "open", classmethod(no_library))
+    x = torch.zeros(100)
+    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
+    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    reason = fresh_loader.diagnostics()["devices"][0]
+    assert "no usable CUDA driver library" in reason and "libcuda.so.1" in reason
+
+
+def _with_stub(loader, stub, monkeypatch, major, minor):
+    from lik_plugins.kernels.triton import binaries_cuda as cuda
+
+    _set(stub, "capability_major", major)
+    _set(stub, "capability_minor", minor)
+    monkeypatch.setattr(cuda.Driver, "open", classmethod(lambda cls: cls(stub)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def test_a_gpu_without_shipped_binaries_falls_back_with_its_arch(fresh_loader, stub, monkeypatch, built):
+    from lik_plugins.kernels.triton import direct
+
+    _with_stub(fresh_loader, stub, monkeypatch, 8, 6)
+    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built)
+    x = torch.zeros(100)
+    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
+    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    assert fresh_loader.diagnostics()["devices"][0] == "no shipped binaries for sm_86"
+
+
+def test_an_old_driver_and_a_failed_self_check_fall_back(fresh_loader, stub, monkeypatch, built):
+    from lik_plugins.kernels.triton import direct
+
+    _with_stub(fresh_loader, stub, monkeypatch, 9, 0)
+    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built)
+    x = torch.zeros(100)
+    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
+    _set(stub, "driver_version", 11080)
+    try:
+        assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+        assert "older than the binaries need" in fresh_loader.diagnostics()["devices"][0]
+    finally:
+        _set(stub, "driver_version", 12080)
+    fresh_loader.reset()
+    monkeypatch.setattr(fresh_loader, "_self_check", lambda device: False)
+    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    assert "self-check kernel wrote other values" in fresh_loader.diagnostics()["devices"][0]
+
+
+def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_loader, stub, monkeypatch, built):
+    from lik_plugins.kernels.triton import binaries_cuda as cuda
+    from lik_plugins.kernels.triton import direct
+
+    _with_stub(fresh_loader, stub, monkeypatch, 9, 0)
+    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built)
+    monkeypatch.setattr(fresh_loader, "_self_check", lambda device: True)
+    x = torch.zeros(100)
+    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
+    _set(stub, "n_declared", 6)                      # 2 pointers, n, scale, 2 scratch pointers
+    for i, size in enumerate((8, 8, 4, 4, 8, 8)):
+        (ctypes.c_size_t * 64).in_dll(stub, "declared_sizes")[i] = size
+    shipped = fresh_loader.find(direct.self_check_kernel, needed, 0)
+    assert isinstance(shipped, cuda.ShippedKernel) and shipped.layout.codes == "PPif"
+    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is shipped
+    assert fresh_loader.diagnostics()["devices"][0] == {"arch": "sm_90", "shipped": 2, "loaded": 1}
+    # a variant the build did not reach: the JIT, counted
+    other = direct.variant(direct.self_check_kernel, (x, x[1:], 37, 2.0), direct._CHECK_META)
+    assert fresh_loader.find(direct.self_check_kernel, other, 0) is None
+    assert fresh_loader.diagnostics()["missing"] == {"self_check_kernel": 1}
+    # a kernel whose source is not the one the binaries were built from
+    fresh_loader._hashes[id(direct.self_check_kernel)] = "edited"
+    fresh_loader._devices[0].loaded.clear()
+    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    assert "source differs" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
+
+
+def test_a_binary_declaring_other_parameters_is_not_launched(fresh_loader, stub, monkeypatch, built):
+    from lik_plugins.kernels.triton import direct
+
+    _with_stub(fresh_loader, stub, monkeypatch, 9, 0)
+    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built)
+    monkeypatch.setattr(fresh_loader, "_self_check", lambda device: True)
+    _set(stub, "n_declared", 5)                      # one scratch pointer short: another kernel ABI
+    for i, size in enumerate((8, 8, 4, 4, 8)):
+        (ctypes.c_size_t * 64).in_dll(stub, "declared_sizes")[i] = size
+    x = torch.zeros(100)
+    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
+    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    assert "the binary takes parameters of" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
+
+
+def test_the_environment_switch_is_off_unless_set(monkeypatch):
+    from lik_plugins._config import shipped_binaries_enabled
+
+    monkeypatch.delenv("LIK_SHIPPED_BINARIES", raising=False)
+    assert not shipped_binaries_enabled()
+    monkeypatch.setenv("LIK_SHIPPED_BINARIES", "1")
+    assert shipped_binaries_enabled()
+    monkeypatch.setenv("LIK_SHIPPED_BINARIES", "0")
+    assert not shipped_binaries_enabled()
+
+
+def test_shipped_manifests_in_the_package_match_the_kernels():
+    """Binaries committed with the package must be built from the kernels' current source:
+    a kernel edited without ``precompile --ship`` would serve its launches through the JIT."""
+    from lik_plugins.kernels.triton import binaries_loader as loader
+
+    manifests = sorted(loader.BINARIES_DIR.glob("*/manifest.json"))
+    if not manifests:
+        pytest.skip("no binaries shipped in this checkout")
+    kernels = _package_kernels()
+    for path in manifests:
+        manifest = json.loads(path.read_text())
+        for name, digest in manifest["kernels"].items():
+            assert loader.source_hash(kernels[name]) == digest, f"{path.parent.name}: {name} changed since the build"
+        files = {e["file"] for e in manifest["variants"].values()}
+        assert files == {p.name for p in path.parent.glob("*.cubin")}
+
+
+def _package_kernels() -> dict:
+    from lik_plugins.kernels.triton import backward, direct, forward, smoothmax
+
+    found = {}
+    for module in (backward, direct, forward, smoothmax):
+        for value in vars(module).values():
+            if hasattr(value, "fn") and callable(value):
+                found[getattr(value.fn, "__name__", "")] = value
+    return found
