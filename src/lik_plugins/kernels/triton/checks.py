@@ -2,9 +2,9 @@
 
 The packed ops check their offsets and pair indices on the device when the caller gives
 ``max_seqlen_*`` (no host synchronisation).  Written as torch ops that is ~100 small
-operations (two offset arrays, each: differences, extremes, comparisons, reductions), which
-at a few microseconds of host time each cost more than a rerank of 1000 candidates takes on
-an H100.  :func:`packed_inputs_ok` does all of them in one kernel: the result is a
+operations (two offset arrays, each: differences, extremes, comparisons, reductions), whose
+host time together exceeds a whole rerank of a thousand candidates on the GPU.
+:func:`packed_inputs_ok` does all of them in one kernel: the result is a
 one-element int32 tensor, 1 when every check holds, for ``torch._assert_async``.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def packed_inputs_ok(cu_q, rows_q, max_q, cu_d, rows_d, max_d, pair_q=None, pair
     n_pairs = 0 if pair_q is None else pair_q.shape[0]
     pair_q = cu_q if pair_q is None else pair_q
     pair_d = cu_d if pair_d is None else pair_d
-    grid = (2 + -(-n_pairs // PAIRS_PER_PROGRAM),)    # not triton.cdiv: a JIT function, ~10 us from the host
+    grid = (2 + -(-n_pairs // PAIRS_PER_PROGRAM),)    # not triton.cdiv: a JIT function, slow from the host
     ints = (cu_q.numel(), rows_q, max_q, cu_d.numel(), rows_d, max_d, n_pairs)
     # every integer argument is unspecialised: the binary depends on the dtypes and the
     # integers' 32-bit fit only (direct.launch), so the launch skips featurising them

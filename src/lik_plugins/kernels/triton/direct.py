@@ -1,8 +1,8 @@
 """Launch a compiled Triton kernel without the JIT's per-call argument handling.
 
-``kernel[grid](*args, **meta)`` costs 45-65 us of host time per call on the H100 machine's
-CPU (binding, specialising every argument, the cache key, the launch metadata), against
-12-14 us for the compiled kernel's own launcher (``docs/performance-notes.md``).  On
+``kernel[grid](*args, **meta)`` spends several times the host time of the compiled kernel's
+own launcher (binding, specialising every argument, the cache key, the launch metadata;
+figures in ``docs/performance-notes.md``, Host path).  On
 launch-bound shapes (rerank of a thousand documents, the unit-test sizes, small training
 steps with three launches) that is most of the call.  So the first launch of a *plan* goes through the JIT (which compiles or
 finds the kernel), and later launches of the same plan call the compiled launcher
@@ -172,7 +172,7 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
     ``caller_tensors``: with a static key, the tensors whose address the caller does not
     control (the user's inputs and views of them); the others must be fresh allocations of
     PyTorch's CUDA allocator, which starts every block on a 512-byte boundary, so their
-    alignment needs no check (~3 us less per launch on the device machine's CPU)."""
+    alignment needs no check (a few microseconds less per launch)."""
     if _recorded is not None:
         _recorded.append((kernel, args, meta))
         return None
@@ -267,8 +267,8 @@ def _self_check() -> bool:
     """Runs on a user's step (the first CUDA launch), so it launches nothing but its own
     kernel: inputs go up and results come down as copies and are compared on the host.
     Comparing on the GPU (``torch.equal``, ``torch.where``) made the first use of those
-    PyTorch kernels load their modules there: a 17-26 ms step in cold loops of ~1 ms steps
-    (``benchmarks/real_loop.py --sample-spikes``)."""
+    PyTorch kernels load their modules there: one step tens of times slower than the others
+    in cold loops (``benchmarks/real_loop.py --sample-spikes``)."""
     x_host = torch.arange(100, dtype=torch.float32)
     x = x_host.to("cuda")
     outs = [torch.full((100,), -1.0).to("cuda") for _ in range(2)]
