@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "ci"))
+from support import repo_scripts
+from support.repo_scripts import ROOT
 
-import host_suites  # noqa: E402
-import install_keeps_torch  # noqa: E402
-import make_test  # noqa: E402
+host_suites = repo_scripts.load("ci/host_suites.py")
+install_keeps_torch = repo_scripts.load("ci/install_keeps_torch.py")
+make_test = repo_scripts.load("ci/make_test.py")
 
 SUITE_OUTPUT = """\
 ........s.....F

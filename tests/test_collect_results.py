@@ -4,14 +4,11 @@ rows of result files that have left the tree kept on a re-run."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("collect_results", ROOT / "benchmarks" / "collect_results.py")
-collect_results = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(collect_results)
+from support import repo_scripts
+
+collect_results = repo_scripts.load("benchmarks/collect_results.py")
 
 
 def _kernels_json(times):

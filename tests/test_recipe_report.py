@@ -4,13 +4,11 @@ expect, citing committed results that exist and hold the quoted figures."""
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "recipes"))
+from support import repo_scripts
+from support.repo_scripts import ROOT
 
-import _common  # noqa: E402
+_common = repo_scripts.load("recipes/_common.py")
 
 
 def test_a_ratio_whose_range_spans_one_is_called_noise():

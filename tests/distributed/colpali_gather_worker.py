@@ -1,7 +1,7 @@
 """One rank of the colpali-engine cross-device training test (started by
-``dist_launch.run_ranks``).
+``support.dist_launch.run_ranks``).
 
-For each head this rank trains the tiny encoder of ``tests/hosts/colpali/helpers.py`` with the
+For each head this rank trains the tiny encoder of ``tests/support/colpali_helpers.py`` with the
 real ``ContrastiveTrainer`` (accelerate sets up gloo and DDP from the environment), which
 left-pads the page embeddings to a common length across ranks, all-gathers them with
 gradients and calls the head with ``offset = rank * batch``.  Pages are 12 tokens on rank 0
@@ -35,10 +35,10 @@ import torch
 torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
-from dist_launch import write_result  # noqa: E402
-from helpers import DIM, train_tiny  # noqa: E402  (tests/hosts/colpali, on PYTHONPATH)
 
 import lik_plugins  # noqa: E402
+from support.colpali_helpers import DIM, train_tiny  # noqa: E402  (tests/ is on PYTHONPATH)
+from support.dist_launch import write_result  # noqa: E402
 
 HEADS = [  # (name, class, kwargs, explicit negatives per query)
     ("ColbertLoss", "ColbertLoss", {}, 0),

@@ -1,4 +1,4 @@
-"""One rank of the PyLate cross-device training test (started by ``dist_launch.run_ranks``).
+"""One rank of the PyLate cross-device training test (started by ``support.dist_launch.run_ranks``).
 
 For each loss (``Contrastive``, ``CachedContrastive``, both ``gather_across_devices=True``)
 this rank trains the tiny offline ColBERT of ``pylate_tiny`` with the real
@@ -25,10 +25,9 @@ import torch
 
 torch.set_num_threads(1)
 
-import pylate_tiny as tiny  # noqa: E402  (tests/hosts/pylate, on PYTHONPATH)
-from dist_launch import write_result  # noqa: E402
-
 import lik_plugins  # noqa: E402
+from support import pylate_tiny as tiny  # noqa: E402  (tests/ is on PYTHONPATH)
+from support.dist_launch import write_result  # noqa: E402
 
 
 class ShapeSpy:

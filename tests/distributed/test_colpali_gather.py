@@ -47,7 +47,7 @@ torch = pytest.importorskip("torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from dist_launch import run_ranks  # noqa: E402
+from support.dist_launch import run_ranks  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 WORLD, BATCH = 2, 4

@@ -28,7 +28,6 @@ kill-switch run executes PyLate's own code and must be bit-identical.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,12 +39,10 @@ torch = pytest.importorskip("torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+from support import pylate_tiny as tiny  # noqa: E402
+from support.dist_launch import run_ranks  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "hosts" / "pylate"))
-
-import pylate_tiny as tiny  # noqa: E402
-
-from dist_launch import run_ranks  # noqa: E402
 
 OURS = {"triton", "metal", "torch-chunked", "reference"}
 WORLD = 2

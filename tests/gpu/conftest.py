@@ -1,10 +1,4 @@
-"""The GPU suite shares helpers with the CPU kernel tests (``tests/kernels/maxsim_testlib.py``)."""
-import sys
-from pathlib import Path
-
-_KERNEL_TESTS = str(Path(__file__).resolve().parent.parent / "kernels")
-if _KERNEL_TESTS not in sys.path:
-    sys.path.insert(0, _KERNEL_TESTS)
+"""The GPU suite's sharding option."""
 
 
 def pytest_addoption(parser):

@@ -8,7 +8,7 @@ import torch
 import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
 from lik_plugins.kernels.triton import launch
-from maxsim_testlib import force_forward_block_n
+from support.maxsim_testlib import force_forward_block_n
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import lik_plugins as lik
 from lik_plugins import plaid
 from lik_plugins.kernels import reference
-from maxsim_testlib import rel_err
+from support.maxsim_testlib import rel_err
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ import torch
 
 import lik_plugins as lik
 from lik_plugins.kernels import reference
-from maxsim_testlib import rel_err
+from support.maxsim_testlib import rel_err
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,5 +1,5 @@
 """GPU suite, PLAID search (``lik_plugins.plaid_search``) on a CUDA device against fast-plaid's
-algorithm in float64 (``tests/hosts/pylate/fast_plaid_files.py``), over an index written in
+algorithm in float64 (``tests/support/fast_plaid_files.py``), over an index written in
 fast-plaid's on-disk layout.  Skipped without CUDA; run by ``benchmarks/run_gpu.sh tests``.
 
 Scores agree position by position within fp16 rounding of the token similarities summed over
@@ -7,16 +7,12 @@ the query (``SCORE_TOL``); a different id at a position is a swap of two near-eq
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from lik_plugins import plaid_search as ps
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hosts" / "pylate"))
-from fast_plaid_files import search_float64, write_index  # noqa: E402
+from support.fast_plaid_files import search_float64, write_index
 
 pytestmark = [
     pytest.mark.gpu,

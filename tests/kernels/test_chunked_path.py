@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
-from maxsim_testlib import (
+from support.maxsim_testlib import (
     LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
     noncontiguous_inputs, tied_inputs,
 )

@@ -9,7 +9,7 @@ import torch
 
 import lik_plugins as lik
 from lik_plugins.kernels import reference
-from maxsim_testlib import backend_params, make_inputs, rel_err
+from support.maxsim_testlib import backend_params, make_inputs, rel_err
 
 BACKENDS = backend_params()
 

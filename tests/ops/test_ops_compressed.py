@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import lik_plugins as lik
 from lik_plugins import plaid
 from lik_plugins.kernels import reference
-from maxsim_testlib import backend_params, rel_err
+from support.maxsim_testlib import backend_params, rel_err
 
 BACKENDS = backend_params()
 

@@ -7,7 +7,7 @@ from torch import nn
 
 import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
-from maxsim_testlib import backend_params, make_inputs, rel_err
+from support.maxsim_testlib import backend_params, make_inputs, rel_err
 
 BACKENDS = backend_params()
 

@@ -10,7 +10,7 @@ import lik_plugins as lik
 from lik_plugins.library import choose_backward
 from lik_plugins.kernels import reference
 from lik_plugins.ops import served_by
-from maxsim_testlib import backend_params, check_against_reference, make_inputs, rel_err
+from support.maxsim_testlib import backend_params, check_against_reference, make_inputs, rel_err
 
 BACKENDS = backend_params()
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import lik_plugins as lik
 from lik_plugins.kernels import reference
-from maxsim_testlib import _triton_interpretable, generator, rel_err
+from support.maxsim_testlib import _triton_interpretable, generator, rel_err
 
 FP32_TOL = 2e-5
 CHUNKED = "torch-chunked"

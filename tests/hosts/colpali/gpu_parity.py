@@ -1,6 +1,6 @@
 """GPU parity with real colpali-engine (run on a CUDA machine; not collected by pytest).
 
-    python tests/hosts/colpali/gpu_parity.py results/colpali_gpu_parity.json
+    PYTHONPATH=src:tests python tests/hosts/colpali/gpu_parity.py results/colpali_gpu_parity.json
 
 For each of the five loss heads, hard max and smooth max, fp32 and bf16: colpali's own
 code (``COLPALI_SCORES_BACKEND=torch``, unpatched) versus the patched heads (Triton),
@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "src"))
-
-import lik_plugins  # noqa: E402
-from lik_plugins import smooth_maxsim  # noqa: E402
-from lik_plugins.kernels.reference import smooth_maxsim as smooth_maxsim_reference  # noqa: E402
-from tests.colpali.helpers import embed, padded  # noqa: E402
+import lik_plugins
+from lik_plugins import smooth_maxsim
+from lik_plugins.kernels.reference import smooth_maxsim as smooth_maxsim_reference
+from support.colpali_helpers import embed, padded
 
 HEADS = [
     ("ColbertLoss", False), ("ColbertPairwiseCELoss", False), ("ColbertSigmoidLoss", False),

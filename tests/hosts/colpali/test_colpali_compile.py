@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import lik_plugins
 
-from .helpers import env
+from support.colpali_helpers import env
 
 L = pytest.importorskip("colpali_engine.loss.late_interaction_losses")
 

@@ -1,6 +1,6 @@
 """Every loss head of every release 0.3.10 - 0.3.18 against that release's own code.
 
-Each release's wheel is loaded side by side (see ``releases.py``); the heads are called
+Each release's wheel is loaded side by side (see ``tests/support/colpali_releases.py``); the heads are called
 in the convention that release's trainer uses (positional on 0.3.10, ``offset=`` keyword
 on 0.3.11-12, all keywords from 0.3.13), plus the multi-GPU shape (gathered documents,
 ``offset = rank * B``) where the release supports it.  Losses and the gradients w.r.t.
@@ -20,8 +20,8 @@ pytest.importorskip("PIL", reason="colpali-engine's loss modules need pillow (RE
 import lik_plugins  # noqa: E402
 from lik_plugins.ops import served_by  # noqa: E402
 
-from .helpers import delta, env, loss_and_grads, padded, routed  # noqa: E402
-from .releases import RELEASES, release  # noqa: E402
+from support.colpali_helpers import delta, env, loss_and_grads, padded, routed  # noqa: E402
+from support.colpali_releases import RELEASES, release  # noqa: E402
 
 B, LQ, LD, DIM, NNEG = 4, 6, 9, 16, 3
 IN_BATCH = ("ColbertLoss", "ColbertPairwiseCELoss", "ColbertSigmoidLoss")

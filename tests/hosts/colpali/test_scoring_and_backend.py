@@ -17,8 +17,8 @@ from colpali_engine.loss import late_interaction_losses as L  # noqa: E402
 from colpali_engine.utils import maxsim as colpali_maxsim  # noqa: E402
 from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor as Base  # noqa: E402
 
-from .helpers import delta, env, routed  # noqa: E402
-from .releases import release  # noqa: E402
+from support.colpali_helpers import delta, env, routed  # noqa: E402
+from support.colpali_releases import release  # noqa: E402
 
 
 def _ragged(n, lo, hi, d, seed, dtype=torch.float32):

@@ -9,7 +9,7 @@ import torch
 from lik_plugins import smooth_maxsim
 from lik_plugins.kernels.reference import smooth_maxsim as smooth_maxsim_reference
 
-from .helpers import env
+from support.colpali_helpers import env
 
 SHAPES = [
     # layout, Q shape, D shape

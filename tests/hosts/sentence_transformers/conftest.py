@@ -2,13 +2,9 @@
 that environment); in the main environment (ST 5.x, pinned by PyLate) every module skips."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import st_tiny  # noqa: E402
+from support import st_tiny
 
 
 @pytest.fixture(autouse=True)

@@ -13,12 +13,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import st_tiny
+
+from support import st_tiny
 
 st_tiny.require_st6()
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+TESTS = Path(__file__).resolve().parents[2]  # on the subprocess's PYTHONPATH: the package support
+ROOT = TESTS.parent
 
 
 def _pth_installed() -> bool:
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.skipif(not _pth_installed(), reason="lik_plugins is not
 def _run(code: str, **env) -> dict:
     environ = {k: v for k, v in os.environ.items()
                if not k.endswith("_SCORES_BACKEND") and k not in ("LIK_DISABLE", "LIK_PATCH", "LIK_BACKEND")}
-    environ.update(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=f"{HERE}{os.pathsep}{ROOT / 'src'}")
+    environ.update(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=f"{TESTS}{os.pathsep}{ROOT / 'src'}")
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True,
                          timeout=300, cwd=str(ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -53,7 +54,7 @@ def test_nothing_imported_unless_asked_and_then_only_the_hook():
 
 TRAIN = """
 import json, os, sys, tempfile
-import st_tiny   # builds a tiny offline MultiVectorEncoder; never imports lik_plugins
+from support import st_tiny   # builds a tiny offline MultiVectorEncoder; never imports lik_plugins
 with tempfile.TemporaryDirectory() as tmp:
     encoder = st_tiny.save_tiny_encoder(os.path.join(tmp, "enc"))
     model = st_tiny.load_encoder(encoder)

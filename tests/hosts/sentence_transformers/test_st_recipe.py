@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import st_tiny
+
+from support import st_tiny
 
 st_tiny.require_st6()
 

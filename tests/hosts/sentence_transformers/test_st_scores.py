@@ -10,7 +10,8 @@ import inspect
 
 import numpy as np
 import pytest
-import st_tiny
+
+from support import st_tiny
 
 st_tiny.require_st6()
 

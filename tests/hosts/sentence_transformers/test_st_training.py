@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
-import st_tiny
+
+from support import st_tiny
 
 st_tiny.require_st6()
 

@@ -1,7 +1,7 @@
 """An offline tiny sentence-transformers 6.x MultiVectorEncoder and a few training steps.
 
 The encoder is the random 2-layer BERT with an in-memory WordPiece vocabulary from
-``tests/hosts/pylate/pylate_tiny.py`` (nothing is downloaded); on top of it a bias-free projection
+``tests/support/pylate_tiny.py`` (nothing is downloaded); on top of it a bias-free projection
 to 16 dims, ST's ``MultiVectorMask`` (punctuation skiplist: holes inside documents) and
 ``Normalize``.  Also used by the training recipe's test and the GPU parity script.
 """
@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import os
 import string
-import sys
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pylate"))
-import pylate_tiny  # noqa: E402  (offline tokenizer + BERT, shared with the PyLate tests)
+from support import pylate_tiny  # noqa: E402  (offline tokenizer + BERT, shared with the PyLate tests)
 
 TRIPLES = pylate_tiny.TRIPLES
 save_tiny_encoder = pylate_tiny.save_tiny_encoder

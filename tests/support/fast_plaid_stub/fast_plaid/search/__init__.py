@@ -7,7 +7,7 @@ import os
 import threading
 
 import torch
-from fast_plaid_files import search_float64, write_index
+from support.fast_plaid_files import search_float64, write_index
 
 
 class FastPlaid:

@@ -1,6 +1,6 @@
 """Older PyLate releases, installed side by side and checked in a subprocess.
 
-``python tests/hosts/pylate/pylate_releases.py 1.4.0 OUT.json`` installs that release (and the
+``python tests/support/pylate_releases.py 1.4.0 OUT.json`` installs that release (and the
 dependencies it needs that differ from the CI environment) into a cache folder with
 ``pip install --target --no-deps``, puts the folder first on ``PYTHONPATH`` and runs
 ``pylate_tiny.py`` there (vanilla / patched / ``LIK_DISABLE=1`` training for the three

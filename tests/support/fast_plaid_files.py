@@ -11,7 +11,7 @@ fast-plaid's ``rust/index/create.rs`` writes (``metadata.json``, ``centroids.npy
 
 :func:`search_float64` is fast-plaid's ``search`` (``rust/search/search.rs``) written
 again step by step, one query at a time, in float64 after fast-plaid's fp16 roundings:
-the oracle of the tests.  :mod:`fast_plaid` beside this file is a stand-in package with
+the oracle of the tests.  ``fast_plaid_stub/fast_plaid`` beside this file is a stand-in package with
 fast-plaid's ``search.FastPlaid`` interface over these two functions, so PyLate's
 ``indexes.PLAID`` runs unmodified on a CPU without fast-plaid.
 """
@@ -24,6 +24,9 @@ import numpy as np
 import torch
 
 from lik_plugins import plaid
+
+# the folder that holds the stand-in ``fast_plaid``: a test puts it first on sys.path
+STUB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_plaid_stub")
 
 
 def write_index(path: str, documents: list[torch.Tensor], nbits: int, n_centroids: int, seed: int = 0) -> None:

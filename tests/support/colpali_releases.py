@@ -28,7 +28,7 @@ RELEASES = ("0.3.10", "0.3.11", "0.3.12", "0.3.13", "0.3.14", "0.3.15", "0.3.16"
 PACKAGES = ("colpali_engine", "colpali_engine.utils", "colpali_engine.loss")
 MODULES = ("colpali_engine.loss.late_interaction_losses", "colpali_engine.utils.processing_utils")
 
-_REPO = Path(__file__).resolve().parents[3]
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def cache_dir() -> Path:

@@ -50,10 +50,9 @@ def rank_env(rank: int, world_size: int, port: int) -> dict:
         TRANSFORMERS_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         PYTHONUNBUFFERED="1",
-        # our checkout first, then the shared test helpers the workers import
+        # our checkout first, then tests/ for the helpers the workers import (the package support)
         PYTHONPATH=os.pathsep.join(
-            [str(REPO / "src"), str(TESTS / "hosts" / "pylate"), str(TESTS / "hosts" / "colpali"), str(TESTS / "distributed")]
-            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+            [str(REPO / "src"), str(TESTS)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         ),
     )
     env.pop("LIK_DISABLE", None)  # the workers set it themselves where they test it
