@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
-from operator import itemgetter
 
 # parameter codes (the manifest's ``params``): one character per positional argument
 POINTER, INT32, INT64, UINT64, FLOAT32, INT8, DROPPED = "P", "i", "l", "Q", "f", "B", "-"
@@ -65,25 +64,20 @@ class LaunchLayout:
         self.buffer = ctypes.create_string_buffer(8 * self.slots)      # scratch slots stay 0: null pointers
         base = ctypes.addressof(self.buffer)
         self.params = (ctypes.c_void_p * self.slots)(*[base + 8 * k for k in range(self.slots)])
-        self._pack = struct.Struct("<" + "".join(_SLOT[c] for c in kept_codes)).pack_into
         self._n_args = len(codes)
-        if len(kept) == 1:
-            self._take = lambda args, i=kept[0]: (args[i],)
-        else:
-            self._take = itemgetter(*kept) if kept else (lambda args: ())
-        self._pointer_slots = tuple(k for k, c in enumerate(kept_codes) if c == POINTER)
-        self._empty = not kept
+        # one generated function per layout: index, read addresses and pack in a single
+        # Python call (a loop over the arguments costs several times as much per launch)
+        values = ", ".join(f"a[{i}].data_ptr()" if codes[i] == POINTER else f"a[{i}]" for i in kept)
+        scope = {"_pack": struct.Struct("<" + "".join(_SLOT[c] for c in kept_codes)).pack_into,
+                 "_buffer": self.buffer}
+        exec(f"def pack(a):\n    _pack(_buffer, 0{', ' if values else ''}{values})\n", scope)
+        self._pack_values = scope["pack"]
 
     def pack(self, args) -> None:
         """Write one call's arguments into the slots (tensors as their device addresses)."""
         if len(args) != self._n_args:
             raise TypeError(f"the binary takes {self._n_args} positional arguments, the launch passed {len(args)}")
-        if self._empty:
-            return
-        values = list(self._take(args))
-        for k in self._pointer_slots:
-            values[k] = values[k].data_ptr()
-        self._pack(self.buffer, 0, *values)
+        self._pack_values(args)
 
     def param_sizes(self) -> list[int]:
         """The size of each kernel parameter in order, scratch pointers included."""
@@ -195,20 +189,21 @@ class Driver:
             sizes.append(size.value)
         return sizes
 
-    def launch(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, stream: int, params,
-               ordinal: int) -> None:
-        code = self._launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream, params, None)
-        if code == CUDA_ERROR_INVALID_CONTEXT:     # a thread that has not used this device yet
+    def relaunch(self, code: int, function: int, grid: tuple[int, int, int], threads: int, shared: int, stream: int,
+                 params, ordinal: int) -> None:
+        """After a launch that returned ``code``: a thread that has not used this device yet
+        gets its primary context and the launch is made again; any other error raises."""
+        if code == CUDA_ERROR_INVALID_CONTEXT:
             self.make_current(ordinal)
             code = self._launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream, params, None)
-        if code != CUDA_SUCCESS:
-            self._check(code, "cuLaunchKernel")
+        self._check(code, "cuLaunchKernel")
 
 
 class ShippedKernel:
     """One loaded binary on one device: ``kernel(grid, stream, args)`` launches it."""
 
-    __slots__ = ("name", "driver", "function", "threads", "shared", "layout", "ordinal", "_lock")
+    __slots__ = ("name", "driver", "function", "threads", "shared", "layout", "ordinal", "_lock", "_launch",
+                 "_pack", "_params", "_n_args")
 
     def __init__(self, name: str, driver: Driver, function: int, num_warps: int, shared: int, layout: LaunchLayout,
                  ordinal: int):
@@ -217,6 +212,8 @@ class ShippedKernel:
         # the slots are shared by every call of this variant; the driver call releases the
         # GIL, so two threads launching it at once must not interleave packing and launch
         self._lock = threading.Lock()
+        self._launch, self._pack, self._params = driver._launch, layout._pack_values, layout.params
+        self._n_args = len(layout.codes)
 
     def __call__(self, grid: tuple, stream: int, args: tuple) -> None:
         gx = grid[0]
@@ -224,7 +221,13 @@ class ShippedKernel:
         gz = grid[2] if len(grid) > 2 else 1
         if gx * gy * gz == 0:
             return
+        if len(args) != self._n_args:
+            raise TypeError(f"{self.name}: the binary takes {self._n_args} positional arguments, "
+                            f"the launch passed {len(args)}")
         with self._lock:
-            self.layout.pack(args)
-            self.driver.launch(self.function, (gx, gy, gz), self.threads, self.shared, stream, self.layout.params,
-                               self.ordinal)
+            self._pack(args)
+            code = self._launch(self.function, gx, gy, gz, self.threads, 1, 1, self.shared, stream, self._params,
+                                None)
+            if code != CUDA_SUCCESS:       # the driver retries where this thread had no context yet
+                self.driver.relaunch(code, self.function, (gx, gy, gz), self.threads, self.shared, stream,
+                                     self._params, self.ordinal)
