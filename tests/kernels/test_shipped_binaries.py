@@ -120,41 +120,34 @@ def _compile_env():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """Two variants (the self-check and PyLate's first forward) built for sm_90 offline and
-    written as the package would ship them, in a subprocess (the real compiler, not the
-    interpreter); their manifest, and the PTX parameter sizes of the forward."""
+    """``precompile --ship`` for PyLate's bf16 calls on sm_90, offline, into a scratch
+    folder (the real compiler, not the interpreter); the folder and the variant list."""
     out = tmp_path_factory.mktemp("binaries")
-    code = f"""
-import json, torch
-from pathlib import Path
-from lik_plugins import precompile as p
-from lik_plugins.kernels.triton import binaries_build as b
-todo = p.variants(['pylate'], [torch.bfloat16], [128], 'sm_90')
-first = {{}}
-for v in todo:
-    first.setdefault(p.describe(*v).split()[0], v)
-pick = [first['self_check_kernel'], first['maxsim_fwd_kernel']]
-entries = b.compile_part(pick, 'sm_90', Path({str(out)!r}) / 'sm_90')
-b.write_manifest(pick, entries, 'sm_90', Path({str(out)!r}) / 'sm_90')
-"""
-    done = subprocess.run([sys.executable, "-c", code], env=_compile_env(), capture_output=True, text=True,
-                          timeout=900)
+    command = [sys.executable, "-m", "lik_plugins.precompile", "--arch", "sm_90", "--hosts", "pylate",
+               "--dtypes", "bf16"]
+    listed = subprocess.run([*command, "--list"], env=_compile_env(), capture_output=True, text=True, timeout=600)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    done = subprocess.run([*command, "--ship", "--out", str(out), "--jobs", "2"], env=_compile_env(),
+                          capture_output=True, text=True, timeout=1800)
     if done.returncode != 0 and "ptxas" in done.stderr.lower():
         pytest.skip(f"no usable ptxas for sm_90 here: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stderr[-3000:]
-    return out
+    assert f"in {out / 'sm_90'}" in done.stdout
+    return out, listed.stdout.strip().splitlines()[:-1]
 
 
 def test_manifest_round_trip(built):
     from lik_plugins.kernels.triton import binaries_loader as loader
     from lik_plugins.kernels.triton import direct, forward
 
+    built, listed = built
     manifest = loader.read_manifest("sm_90", built)
     assert manifest["arch"] == "sm_90" and manifest["cuda_driver"] >= 12000
     # the kernels' source digests are the ones this process computes (interpreted or not)
     assert manifest["kernels"]["self_check_kernel"] == loader.source_hash(direct.self_check_kernel)
     assert manifest["kernels"]["maxsim_fwd_kernel"] == loader.source_hash(forward.maxsim_fwd_kernel)
-    assert len(manifest["variants"]) == 2
+    assert len(manifest["variants"]) == len(listed)           # every variant --list names
+    assert sorted(e["kernel"] for e in manifest["variants"].values()) == sorted(line.split()[0] for line in listed)
     x = torch.zeros(100)
     key = loader.variant_key(direct.variant(direct.self_check_kernel, (x, x, 91, 3.0), direct._CHECK_META))
     entry = manifest["variants"][key]
@@ -223,7 +216,7 @@ def test_a_gpu_without_shipped_binaries_falls_back_with_its_arch(fresh_loader, s
     from lik_plugins.kernels.triton import direct
 
     _with_stub(fresh_loader, stub, monkeypatch, 8, 6)
-    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built)
+    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built[0])
     x = torch.zeros(100)
     needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
     assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
@@ -234,7 +227,7 @@ def test_an_old_driver_and_a_failed_self_check_fall_back(fresh_loader, stub, mon
     from lik_plugins.kernels.triton import direct
 
     _with_stub(fresh_loader, stub, monkeypatch, 9, 0)
-    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built)
+    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built[0])
     x = torch.zeros(100)
     needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
     _set(stub, "driver_version", 11080)
@@ -254,7 +247,7 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     from lik_plugins.kernels.triton import direct
 
     _with_stub(fresh_loader, stub, monkeypatch, 9, 0)
-    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built)
+    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built[0])
     monkeypatch.setattr(fresh_loader, "_self_check", lambda device: True)
     x = torch.zeros(100)
     needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
@@ -264,7 +257,7 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     shipped = fresh_loader.find(direct.self_check_kernel, needed, 0)
     assert isinstance(shipped, cuda.ShippedKernel) and shipped.layout.codes == "PPif"
     assert fresh_loader.find(direct.self_check_kernel, needed, 0) is shipped
-    assert fresh_loader.diagnostics()["devices"][0] == {"arch": "sm_90", "shipped": 2, "loaded": 1}
+    assert fresh_loader.diagnostics()["devices"][0] == {"arch": "sm_90", "shipped": len(built[1]), "loaded": 1}
     # a variant the build did not reach: the JIT, counted
     other = direct.variant(direct.self_check_kernel, (x, x[1:], 37, 2.0), direct._CHECK_META)
     assert fresh_loader.find(direct.self_check_kernel, other, 0) is None
@@ -280,7 +273,7 @@ def test_a_binary_declaring_other_parameters_is_not_launched(fresh_loader, stub,
     from lik_plugins.kernels.triton import direct
 
     _with_stub(fresh_loader, stub, monkeypatch, 9, 0)
-    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built)
+    monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built[0])
     monkeypatch.setattr(fresh_loader, "_self_check", lambda device: True)
     _set(stub, "n_declared", 5)                      # one scratch pointer short: another kernel ABI
     for i, size in enumerate((8, 8, 4, 4, 8)):
