@@ -85,14 +85,14 @@ def _forced_configs(Q, D, rep):
     from triton.testing import do_bench
 
     from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton.forward import maxsim_fwd_kernel
 
     pick = launch.forward_kernel_and_meta
     rows = []
     for n, w, st in CONFIGS:
         def forced(**kwargs):
             kernel, meta, _ = pick(**kwargs)
-            return launch.forward_formats.maxsim_fwd_kernel, {**meta, "BLOCK_N": n, "num_warps": w,
-                                                              "num_stages": st}, None
+            return maxsim_fwd_kernel, {**meta, "BLOCK_N": n, "num_warps": w, "num_stages": st}, None
 
         launch.forward_kernel_and_meta = forced
         launch.clear_plans()

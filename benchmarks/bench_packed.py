@@ -198,8 +198,9 @@ class Child:
     def record_configs(self, label, fn, configs, block_m=None):
         """``record`` once per forward config ``(BLOCK_N, num_warps, num_stages)`` forced on
         our packed forward (an A/B of the config table; ``block_m``: the query block's rows
-        instead of ``launch.WIDE_BLOCK_M``).  Ours only."""
-        from lik_plugins.kernels.triton import launch
+        instead of ``blocking.WIDE_BLOCK_M``).  Ours only."""
+        from lik_plugins.kernels.triton import varlen_launch as launch
+        from lik_plugins.kernels.triton.forward import maxsim_fwd_kernel
 
         pick, wide = launch.forward_kernel_and_meta, launch.WIDE_BLOCK_M
 
@@ -209,8 +210,7 @@ class Child:
                 if config is None:
                     return kernel, meta, after
                 n, w, st = config
-                return launch.forward_formats.maxsim_fwd_kernel, {**meta, "BLOCK_N": n, "num_warps": w,
-                                                                  "num_stages": st}, None
+                return maxsim_fwd_kernel, {**meta, "BLOCK_N": n, "num_warps": w, "num_stages": st}, None
 
             launch.forward_kernel_and_meta = forced
             launch.WIDE_BLOCK_M = block_m or wide

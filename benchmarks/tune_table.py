@@ -67,7 +67,7 @@ def _format_steps() -> dict:
                 lengths = torch.full((codes.shape[0],), 300, dtype=torch.int32, device="cuda")
                 centroids = unit(16384, dim)
                 lik.maxsim_residual(Q, codes, residuals, lengths, centroids, weights, nbits)
-                # packed documents have their own entries (launch._built_key)
+                # packed documents have their own entries (operands.built_key)
                 cu = torch.arange(0, codes.numel() + 1, 300, dtype=torch.int32, device="cuda")
                 lik.maxsim_residual_varlen(Q, codes.reshape(-1), residuals.reshape(codes.numel(), -1), cu, centroids,
                                            weights, nbits, max_seqlen_d=300)
@@ -126,11 +126,23 @@ def _merge_into_committed(out: str, arch: str, parts: list) -> int:
     return len(table["entries"])
 
 
+def _export_table(path: str, arch: str) -> int:
+    """Write every config the tuner chose in this process (swept or from a table) to
+    ``path`` as ``arch``'s table; returns the number of entries."""
+    entries = []
+    for key, config in sorted(tuning._chosen.items(), key=lambda kv: tuning._encode_key(kv[0])):
+        kernel = "doc" if key and key[0] == "doc" else "forward"
+        entries.append({"kernel": kernel, "key": json.loads(tuning._encode_key(key)), "config": config})
+    with open(path, "w") as f:
+        json.dump({"version": tuning.TABLE_VERSION, "arch": arch, "entries": entries}, f, indent=1)
+    return len(entries)
+
+
 def main(out: str, formats_only: bool = False, step: str | None = None) -> int:
     t0 = time.perf_counter()
     if step is not None:
         _format_steps()[step]()
-        tuning.export_table(out, tuning.architecture())
+        _export_table(out, tuning.architecture())
         return 0
     if formats_only:
         arch = tuning.architecture()
@@ -158,7 +170,7 @@ def main(out: str, formats_only: bool = False, step: str | None = None) -> int:
             dm = torch.ones(nd, ld, dtype=torch.bool, device="cuda")
             _run(Q, D, "cross", True, dm)
     arch = tuning.architecture()
-    n = tuning.export_table(out, arch)
+    n = _export_table(out, arch)
     print(f"{n} configs for {arch} -> {out} in {time.perf_counter() - t0:.0f}s")
     return 0
 

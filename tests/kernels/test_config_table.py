@@ -87,24 +87,24 @@ def test_autotune_variable(on_h100, monkeypatch):
 def test_packed_launches_have_their_own_rows(on_h100, monkeypatch):
     # a packed launch (maxsim_varlen, score_pairs_packed) asks the table with its own key, so
     # the pair lists' short documents do not take the padded rerank's tiles of the same shape
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import varlen_launch
 
     asked = []
-    real = launch.forward_kernel_and_meta
+    real = varlen_launch.forward_kernel_and_meta
 
     def record(**kwargs):
         asked.append(kwargs)
         return real(**kwargs)
 
-    monkeypatch.setattr(launch, "forward_kernel_and_meta", record)
+    monkeypatch.setattr(varlen_launch, "forward_kernel_and_meta", record)
     Q = torch.randn(32, 128).bfloat16()
     D = torch.randn(300, 128).bfloat16()
     cu_q = torch.tensor([0, 32], dtype=torch.int32)
     cu_d = torch.tensor([0, 100, 300], dtype=torch.int32)
     pairs = (torch.tensor([0, 0], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32))
     with torch.no_grad():
-        launch.varlen_forward(Q, D, cu_q, cu_d, pairs, None, None, max_q=32, max_d=200, normalize=False,
-                              zero_mode=False, save_argmax=False)
+        varlen_launch.varlen_forward(Q, D, cu_q, cu_d, pairs, None, None, max_q=32, max_d=200, normalize=False,
+                                     zero_mode=False, save_argmax=False)
     packed_key = asked[-1]["dtype"]
     rows = [r for r in _table_rows() if r["kernel"] == "forward" and r["key"][:6] == [32, 1, 128, False, False, 1]
             and r["key"][6] == 2]

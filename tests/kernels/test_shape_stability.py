@@ -5,7 +5,7 @@ constexprs and the argument features Triton specialises on, honouring each kerne
 ``do_not_specialize``).  A first sweep of lengths visits every bucket (query rows rounded
 to a power of two, the document tail widths 0/16/32/64); a second sweep with other
 lengths in the same buckets must launch no new variant, and the totals stay inside the
-bound documented in ``launch.py``.
+bound documented in ``blocking.py``.
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ SECOND = [(4, 18), (9, 47), (25, 77), (50, 192), (35, 99), (7, 141), (61, 54), (
 
 
 def test_new_lengths_inside_seen_buckets_compile_nothing(monkeypatch):
-    from lik_plugins.kernels.triton import direct, launch
+    from lik_plugins.kernels.triton import blocking, direct, launch
 
     monkeypatch.setenv("LIK_BACKEND", "triton")
-    monkeypatch.setattr(launch, "TAIL_MIN_LD", 0)   # every tail width is a bucket here (short documents)
+    monkeypatch.setattr(blocking, "TAIL_MIN_LD", 0)   # every tail width is a bucket here (short documents)
     gen = torch.Generator().manual_seed(7)
     direct.reset_variants()
     for lq, ld in FIRST:
@@ -57,7 +57,7 @@ def test_new_lengths_inside_seen_buckets_compile_nothing(monkeypatch):
         _step(gen, lq, ld)
     assert direct.variants() == seen
     for name, count in seen.items():
-        assert count <= launch.MAX_VARIANTS_PER_KERNEL, (name, count)
+        assert count <= blocking.MAX_VARIANTS_PER_KERNEL, (name, count)
 
 
 def test_a_specialised_argument_does_make_a_new_variant(monkeypatch):

@@ -45,18 +45,20 @@ def _triton_backend(monkeypatch):
 @pytest.fixture(params=["compact", "compact-gather-after", "dense"])
 def lowmem_rows(request, monkeypatch):
     """The ways the cross product's lowmem grad_D finds its rows: each tile lists the rows
-    that picked one of its tokens first (``launch.COMPACT_LOWMEM``, here at every size, with
-    a scan step of 16 winners so the tiny shapes take several), with grad_Q's gather in the
-    same launch or in its own after the lists are freed; or every query row against every
-    tile (dense)."""
-    from lik_plugins.kernels.triton import launch
+    that picked one of its tokens first (``backward_launch.COMPACT_MIN_WORK`` lowered so
+    every size does, with a scan step of 16 winners so the tiny shapes take several), with
+    grad_Q's gather in the same launch or in its own after the lists are freed; or every
+    query row against every tile (dense: the threshold out of reach)."""
+    from lik_plugins.kernels.triton import backward_launch, launch
 
-    monkeypatch.setattr(launch, "COMPACT_LOWMEM", request.param != "dense")
-    monkeypatch.setattr(launch, "COMPACT_MIN_WORK", 0)
-    monkeypatch.setattr(launch, "COMPACT_SCAN", 16)
+    dense = request.param == "dense"
+    monkeypatch.setattr(backward_launch, "COMPACT_MIN_WORK", 1 << 62 if dense else 0)
+    monkeypatch.setattr(backward_launch, "COMPACT_SCAN", 16)
     if request.param == "compact-gather-after":
-        monkeypatch.setattr(launch, "GATHER_ALONE_MIN_WAVES", 0)
-    return request.param
+        monkeypatch.setattr(backward_launch, "GATHER_ALONE_MIN_WAVES", 0)
+    launch.clear_plans()  # a cached lowmem plan holds the route it was made with
+    yield request.param
+    launch.clear_plans()
 
 
 def _inputs(gen, layout, dtype=torch.float32, shape=None, **kw):
@@ -125,15 +127,17 @@ def test_long_query_is_split_into_row_chunks(gen):
 def split_gather(monkeypatch):
     """Let the gather backward split tiny document sets over programs (it needs many steps
     per program to pay on a GPU), and check that the shape given does split."""
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import blocking, launch
 
-    monkeypatch.setattr(launch, "GATHER_SPLIT_MIN_STEPS", 1)
+    monkeypatch.setattr(blocking, "GATHER_SPLIT_MIN_STEPS", 1)
 
     def splits(nq, nj, lq, d):
-        n_split = launch._gather_blocking(nq, nj, lq, max(16, launch.next_pow2(d)), 132)[3]
+        n_split = blocking.gather_blocking(nq, nj, lq, max(16, blocking.next_pow2(d)), 132)[3]
         assert n_split > 1, "the shape no longer splits the gather: the test would not cover the partials"
 
-    return splits
+    launch.clear_plans()
+    yield splits
+    launch.clear_plans()
 
 
 @pytest.mark.parametrize("backward", ["lowmem", "unified"])
@@ -295,21 +299,9 @@ def test_no_argmax_under_no_grad(gen, monkeypatch):
     assert seen[0][1].shape == (2, 2, 4)
 
 
-@pytest.fixture(params=["running", "per-tile"])
-def argmax_epilogue(request, monkeypatch):
-    """Both ways the forward finds its winners: an elementwise running max with the tile of
-    each element's max, reduced once (``launch.RUNNING_ARGMAX``), or a reduction per tile."""
-    from lik_plugins.kernels.triton import launch
-
-    monkeypatch.setattr(launch, "RUNNING_ARGMAX", request.param == "running")
-    launch.clear_plans()  # a cached forward plan holds the epilogue it was made with
-    yield request.param
-    launch.clear_plans()
-
-
 @pytest.mark.parametrize("mask_mode", MASK_MODES)
 @pytest.mark.parametrize("layout", ["cross", "kd"])
-def test_saved_argmax_and_sentinel(gen, layout, mask_mode, argmax_epilogue):
+def test_saved_argmax_and_sentinel(gen, layout, mask_mode):
     """The launcher's argmax: the winner for rows with a valid winner, -1 otherwise
     (masked query token, fully masked document, masked 0 winning in zero mode)."""
     from lik_plugins.kernels.triton import launch
@@ -400,11 +392,11 @@ def test_nan_in_masked_query_tokens_never_reaches_a_gradient(gen, lowmem_rows):
 @pytest.mark.parametrize("layout", ["cross", "kd"])
 def test_several_documents_per_forward_program(gen, layout, mask_mode, docs_per_program, monkeypatch):
     """A forward program that scores several documents with one query block
-    (``launch.docs_per_program``; here forced, argmax included) returns every document's
+    (``blocking.docs_per_program``; here forced, argmax included) returns every document's
     scores, winners and gradients; a count it does not divide runs one per program."""
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import blocking, launch
 
-    monkeypatch.setattr(launch, "docs_per_program",
+    monkeypatch.setattr(blocking, "docs_per_program",
                         lambda nj, *_: docs_per_program if nj % docs_per_program == 0 else 1)
     launch.clear_plans()
     try:
@@ -423,43 +415,47 @@ def test_several_documents_per_forward_program(gen, layout, mask_mode, docs_per_
 def test_gather_walks_many_documents_per_step(gen, backward, monkeypatch):
     """grad_Q's gather with 8 documents per step over 11 documents (the last step ragged)
     and 2 query tokens per program."""
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import blocking, launch
 
-    monkeypatch.setattr(launch, "GATHER_MAX_BLOCK_S", 2)
-    monkeypatch.setattr(launch, "GATHER_STEP_ELEMS", 2 * 8 * 16)
+    monkeypatch.setattr(blocking, "GATHER_MAX_BLOCK_S", 2)
+    monkeypatch.setattr(blocking, "GATHER_STEP_ELEMS", 2 * 8 * 16)
+    launch.clear_plans()
     Q, D, qm, dm = _inputs(gen, "cross", shape=(2, 11, 5, 9, 16))
-    check_against_reference("cross", Q, D, qm, dm, gen=gen, backward=backward)
+    try:
+        check_against_reference("cross", Q, D, qm, dm, gen=gen, backward=backward)
+    finally:
+        launch.clear_plans()
 
 
 def test_documents_per_forward_program_rule():
-    """Several documents per program only where the H100 sweep found it faster: 16-bit
+    """Several documents per program only where the sweep found it faster: 16-bit
     inference, big launches (twice as big for documents longer than 256 tokens)."""
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import blocking
 
-    n = launch.FORWARD_DOCS_PER_PROGRAM
-    big = launch.FORWARD_MULTI_DOC_MIN_PROGRAMS
+    n = blocking.FORWARD_DOCS_PER_PROGRAM
+    big = blocking.FORWARD_MULTI_DOC_MIN_PROGRAMS
     assert n > 1
-    assert launch.docs_per_program(4096, 256, 4 * big, False, 2) == n       # search
-    assert launch.docs_per_program(4096, 256, 4 * big, True, 2) == 1        # training: argmax
-    assert launch.docs_per_program(4096, 256, 4 * big, False, 4) == 1       # fp32
-    assert launch.docs_per_program(4096, 256, 4 * big, False, 1) == 1       # fp8
-    assert launch.docs_per_program(4097, 256, 4 * big, False, 2) == 1       # does not divide
-    assert launch.docs_per_program(4096, 256, big - 1, False, 2) == 1       # small launch
-    assert launch.docs_per_program(1000, 1030, big, False, 2) == 1          # long documents ...
-    assert launch.docs_per_program(1000, 1030, 2 * big, False, 2) == n      # ... on a big launch
-    assert launch.docs_per_program(4096, 256, 4 * big, False, 2, 32) == 1   # a 32-row block (rerank)
+    assert blocking.docs_per_program(4096, 256, 4 * big, False, 2) == n       # search
+    assert blocking.docs_per_program(4096, 256, 4 * big, True, 2) == 1        # training: argmax
+    assert blocking.docs_per_program(4096, 256, 4 * big, False, 4) == 1       # fp32
+    assert blocking.docs_per_program(4096, 256, 4 * big, False, 1) == 1       # fp8
+    assert blocking.docs_per_program(4097, 256, 4 * big, False, 2) == 1       # does not divide
+    assert blocking.docs_per_program(4096, 256, big - 1, False, 2) == 1       # small launch
+    assert blocking.docs_per_program(1000, 1030, big, False, 2) == 1          # long documents ...
+    assert blocking.docs_per_program(1000, 1030, 2 * big, False, 2) == n      # ... on a big launch
+    assert blocking.docs_per_program(4096, 256, 4 * big, False, 2, 32) == 1   # a 32-row block (rerank)
 
 
 def test_fp8_short_queries_take_128_row_programs_of_several_documents():
     """fp8 with Lq <= 32: 128-row programs of FORWARD_DOCS_PER_PROGRAM documents where the
     launch is big enough, 256 x 1 elsewhere; blocks under 128 rows (one short query) score one
-    document per program in every dtype (as measured on an H100)."""
-    from lik_plugins.kernels.triton import launch
+    document per program in every dtype (as measured)."""
+    from lik_plugins.kernels.triton import blocking as rules
 
-    n = launch.FORWARD_DOCS_PER_PROGRAM
+    n = rules.FORWARD_DOCS_PER_PROGRAM
 
     def blocking(nq, lq, nj, ld, elem=1, cross=True):
-        return launch.forward_blocking(nq, lq, nj, ld, cross=cross, elem=elem, d_pad=128, save_argmax=False)
+        return rules.forward_blocking(nq, lq, nj, ld, cross=cross, elem=elem, d_pad=128, save_argmax=False)
 
     assert blocking(64, 32, 4096, 256) == (32, 4, 1, n)            # search: 128 rows x 4 documents
     assert blocking(256, 32, 256, 256) == (32, 4, 1, n)            # in-batch 256
@@ -470,18 +466,19 @@ def test_fp8_short_queries_take_128_row_programs_of_several_documents():
     assert blocking(64, 32, 4096, 256, elem=2) == (32, 8, 1, n)    # bf16: 256 rows x 4 documents
     assert blocking(1, 32, 100_000, 300, elem=2) == (32, 1, 1, 1)  # bf16 rerank: a 32-row block, 1 document
     assert blocking(64, 128, 4096, 256, elem=2) == (128, 2, 1, n)  # bf16 search Lq 128
-    assert launch.forward_blocking(64, 32, 4096, 256, cross=True, elem=1, d_pad=128, save_argmax=True)[3] == 1
+    assert rules.forward_blocking(64, 32, 4096, 256, cross=True, elem=1, d_pad=128, save_argmax=True)[3] == 1
 
 
 @pytest.fixture(params=["tail-tiles", "masked-tile"])
 def tail_tiles(request, monkeypatch):
     """Both ways the forward covers a document's last ``Ld % BLOCK_N`` tokens: narrower tail
-    tiles (``launch.TAIL_TILES``) or one whole tile with the rest masked."""
-    from lik_plugins.kernels.triton import launch
+    tiles (``blocking.tail_tile``, here for the tiny shapes' 16-row programs and short
+    documents too) or one whole tile with the rest masked (no document long enough)."""
+    from lik_plugins.kernels.triton import blocking, launch
 
-    monkeypatch.setattr(launch, "TAIL_TILES", request.param == "tail-tiles")
-    monkeypatch.setattr(launch, "TAIL_MIN_BLOCK_ROWS", 0)  # the tiny shapes' 16-row programs too
-    monkeypatch.setattr(launch, "TAIL_MIN_LD", 0)          # and their short documents
+    tails = request.param == "tail-tiles"
+    monkeypatch.setattr(blocking, "TAIL_MIN_BLOCK_ROWS", 0)
+    monkeypatch.setattr(blocking, "TAIL_MIN_LD", 0 if tails else 1 << 62)
     launch.clear_plans()  # a cached forward plan holds the tail width it was made with
     yield request.param
     launch.clear_plans()
@@ -514,22 +511,22 @@ def test_document_tails_at_every_tile_width(gen, block_n, mask_mode, tail_tiles,
 def test_tail_tile_rule(monkeypatch):
     """Tail tiles at least 16 wide (the MMA's minimum), no wider than a power of two above
     ``Ld % 64``, none where every BLOCK_N divides the length, none below TAIL_MIN_LD."""
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import blocking
 
-    assert launch.tail_tile(1030) == 16     # ColPali pages: 1024 + 6
-    assert launch.tail_tile(1030, 32) == 0  # one short query per program: memory-bound, masked tile
-    assert launch.tail_tile(1030, 128) == 16 and launch.tail_tile(1030, 256) == 16
-    assert launch.tail_tile(600) == 32 and launch.tail_tile(1024) == 0
-    assert launch.tail_tile(300) == 0 and launch.tail_tile(180) == 0   # ColBERT lengths: no tail variants
-    monkeypatch.setattr(launch, "TAIL_MIN_LD", 0)
-    assert launch.tail_tile(300) == 64      # 256 + 44
-    assert launch.tail_tile(180) == 64      # 128 + 52
-    assert launch.tail_tile(200) == 16      # 192 + 8 (BLOCK_N 128: 128 + 72 in five tiles of 16)
-    assert launch.tail_tile(20) == 32       # shorter than any whole tile
-    assert launch.tail_tile(320) == 64      # only BLOCK_N 128 leaves a tail
-    assert launch.tail_tile(256) == 0
+    assert blocking.tail_tile(1030) == 16     # ColPali pages: 1024 + 6
+    assert blocking.tail_tile(1030, 32) == 0  # one short query per program: memory-bound, masked tile
+    assert blocking.tail_tile(1030, 128) == 16 and blocking.tail_tile(1030, 256) == 16
+    assert blocking.tail_tile(600) == 32 and blocking.tail_tile(1024) == 0
+    assert blocking.tail_tile(300) == 0 and blocking.tail_tile(180) == 0   # ColBERT lengths: no tail variants
+    monkeypatch.setattr(blocking, "TAIL_MIN_LD", 0)
+    assert blocking.tail_tile(300) == 64      # 256 + 44
+    assert blocking.tail_tile(180) == 64      # 128 + 52
+    assert blocking.tail_tile(200) == 16      # 192 + 8 (BLOCK_N 128: 128 + 72 in five tiles of 16)
+    assert blocking.tail_tile(20) == 32       # shorter than any whole tile
+    assert blocking.tail_tile(320) == 64      # only BLOCK_N 128 leaves a tail
+    assert blocking.tail_tile(256) == 0
     for ld in range(1, 600):
-        width = launch.tail_tile(ld)
+        width = blocking.tail_tile(ld)
         if ld % 128:
             assert width >= 16 and width & (width - 1) == 0
             # one tile of this width covers what BLOCK_N 64 leaves (when it leaves anything)

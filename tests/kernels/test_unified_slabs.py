@@ -5,7 +5,7 @@ import torch
 
 import lik_plugins as lik
 from lik_plugins.kernels import reference
-from lik_plugins.kernels.triton import launch
+from lik_plugins.kernels.triton import backward_launch
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -20,7 +20,7 @@ def test_slabbed_unified_matches_reference(monkeypatch, normalize, dtype):
     dm[2] = False
     grad = torch.randn(3, 5, generator=g)
     # a buffer of two documents: three slabs (2 + 2 + 1)
-    monkeypatch.setattr(launch, "UNIFIED_BUFFER_BYTES", 7 * 16 * 4 * 2)
+    monkeypatch.setattr(backward_launch, "UNIFIED_BUFFER_BYTES", 7 * 16 * 4 * 2)
     out = lik.maxsim(Q, D, qm, dm, normalize=normalize, backward="unified", mask_mode="zero")
     gq, gd = torch.autograd.grad(out, (Q, D), grad)
     q64, d64 = Q.detach().double().requires_grad_(), D.detach().double().requires_grad_()

@@ -118,13 +118,13 @@ def test_maxsim_fp8_long_query_and_wide_tokens(gen, monkeypatch, backend):
 def test_maxsim_fp8_short_queries_in_programs_of_several_documents(gen, monkeypatch, backend, mask_mode):
     """The blocking fp8 takes for short queries on big launches (128 rows, several
     documents per program), brought down to a small launch: same numbers as the spec."""
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import blocking, launch
 
     monkeypatch.setenv("LIK_BACKEND", backend)
-    monkeypatch.setattr(launch, "FORWARD_MULTI_DOC_MIN_PROGRAMS", 1)
+    monkeypatch.setattr(blocking, "FORWARD_MULTI_DOC_MIN_PROGRAMS", 1)
     nq, lq, nj, ld, dim = 9, 32, 8, 70, 48
-    rows, qpb, _, dpp = launch.forward_blocking(nq, lq, nj, ld, cross=True, elem=1, d_pad=64, save_argmax=False)
-    assert rows * qpb == launch.TARGET_BLOCK_M and dpp == launch.FORWARD_DOCS_PER_PROGRAM > 1
+    rows, qpb, _, dpp = blocking.forward_blocking(nq, lq, nj, ld, cross=True, elem=1, d_pad=64, save_argmax=False)
+    assert rows * qpb == blocking.TARGET_BLOCK_M and dpp == blocking.FORWARD_DOCS_PER_PROGRAM > 1
     Q, D, qm, dm = make_inputs(gen, "cross", nq, nj, lq, ld, dim)
     q, d = lik.quantize_fp8(Q), lik.quantize_fp8(D)
     launch.clear_plans()

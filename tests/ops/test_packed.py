@@ -140,11 +140,11 @@ def test_rerank_gradients_split_over_programs(backend, gen, normalize, monkeypat
     # one query against many documents: the Triton backward splits the query's documents
     # over several programs that add into one grad_Q row (fp32 atomics, finished on the host)
     from lik_plugins.kernels.device import sm_count
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import blocking
 
     n_docs = 100
-    monkeypatch.setattr(launch, "GATHER_SPLIT_MIN_STEPS", 2)
-    assert launch._gather_blocking(1, n_docs, 9, 16, sm_count(torch.device("cpu")))[3] > 1
+    monkeypatch.setattr(blocking, "GATHER_SPLIT_MIN_STEPS", 2)
+    assert blocking.gather_blocking(1, n_docs, 9, 16, sm_count(torch.device("cpu")))[3] > 1
     Qp, cu_q, mq = lik.pack(_ragged(gen, (9,)))
     Dp, cu_d, md = lik.pack(_ragged(gen, [int(n) for n in torch.randint(0, 6, (n_docs,), generator=gen)]))
     Qp.requires_grad_()

@@ -65,10 +65,10 @@ def _bucket_weights(A2, byte, m, NBITS: tl.constexpr, PER_BYTE: tl.constexpr, BL
     WIDTH]`` (field f of a byte: dimension ``PER_BYTE * byte + f``, its bits ``f * NBITS``
     from the top).  Up to 2 bits the 2-4 weights are scalars picked by selects on the field's
     bits, each tested in place in the byte (one logic instruction a test; the field is never
-    shifted out): a gather from the table was one more L1 request per element, and L1 bound
-    the residual forward on an H100 (2 bits: 1.45 -> 0.81 ms for 1 x 10k documents of 300
-    tokens).  At 4 bits a 15-select tree measured 3 % slower than that load (1.30 / 1.26 ms);
-    4 bits take ``tl.gather`` from the weights held on chip, 8 bits (256 weights) the load."""
+    shifted out): a gather from the table was one more L1 request per element, and L1 bounds
+    the residual forward.  At 4 bits a 15-select tree lost to that load; 4 bits take
+    ``tl.gather`` from the weights held on chip, 8 bits (256 weights) the load
+    (docs/performance-notes.md, PLAID residual)."""
     low = 8 - NBITS - tl.arange(0, PER_BYTE) * NBITS          # each field's lowest bit
     byte = byte[:, None, :]
     if NBITS == 1:
@@ -84,8 +84,7 @@ def _bucket_weights(A2, byte, m, NBITS: tl.constexpr, PER_BYTE: tl.constexpr, BL
         field = tl.reshape((byte >> low[None, :, None]) & ((1 << NBITS) - 1), [BLOCK_K, WIDTH])
         if NBITS == 4:
             # the 16 weights on chip, each element's picked by tl.gather (shuffles and shared
-            # memory): a load from the table per element kept the L1 busy -- on an H100 1 x 10k
-            # documents of 300 tokens took 1.00 ms that way, 0.57 this way (docs/performance-notes.md)
+            # memory): a load from the table per element kept the L1 busy
             table = tl.broadcast_to(tl.load(A2 + tl.arange(0, 16))[:, None], [16, WIDTH])
             weight = tl.gather(table, field, axis=0)
         else:
@@ -101,13 +100,12 @@ def _residual_tile(p_d, p_a0, A1, A2, o_t, m_t, dim, s_dt, s_dh, s_a0t, n_centro
     bits (reference.py documents the layout: each dimension's ``NBITS`` bits least
     significant first, packed into bytes most significant first).  ``A2`` holds the weights
     in stream order -- indexed by the field as it sits in the byte, i.e. by the bucket's bits
-    reversed (``launch.stream_order_weights``) -- so no per-element bit reversal is needed.
+    reversed (``operands.stream_order_weights``) -- so no per-element bit reversal is needed.
 
     The token's bytes are loaded as one ``[BLOCK_K * NBITS / 8, WIDTH]`` tile (contiguous:
     vector loads) and each byte is split into its ``8 / NBITS`` fields in registers.  Loading
-    the byte of every element instead (``8 / NBITS`` loads of the same byte) kept the L1 busy:
-    on an H100, 1 x 10k documents of 300 tokens, 0.69 -> 0.53 ms at 2 bits, 1.22 -> 1.15 at 4
-    (docs/performance-notes.md)."""
+    the byte of every element instead (``8 / NBITS`` loads of the same byte) kept the L1 busy
+    (docs/performance-notes.md, PLAID residual)."""
     PER_BYTE: tl.constexpr = 8 // NBITS
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < dim
@@ -132,10 +130,8 @@ def _hidden_tile(p_d, A0, A1, o_t, m_t, dim, s_dt, s_dh, n_hidden, WIDTH: tl.con
     """Projected tokens ``H[t] @ W.T + b`` as ``[WIDTH, BLOCK_K]`` fp32 -- token-major: the
     tokens are the MMA's M, the hidden slices ``[WIDTH, BLOCK_H]`` its A operand as stored,
     ``W [dim, n_hidden]`` (contiguous) read as ``[BLOCK_H, BLOCK_K]`` slices -- accumulated
-    over the hidden size.  This is the structure of the standalone kernel that measured 0.22
-    ms for a one-query rerank of 1000 documents (h 768) on an H100; the dimension-major tile
-    before (W as the A operand) took 0.64 ms in this kernel, together with two alignment
-    losses fixed since (docs/performance-notes.md)."""
+    over the hidden size.  The dimension-major tile (W as the A operand) was several times
+    slower (docs/performance-notes.md, Projection head)."""
     o_k = tl.arange(0, BLOCK_K)
     o_h = tl.arange(0, BLOCK_H)
     m_k = o_k < dim
@@ -294,19 +290,15 @@ def _document_row_max(
         ld_main = ld
     if RUNNING_MAX:
         # Keep an elementwise max over the tiles in the accumulator's own layout and reduce
-        # across columns (shuffles between threads) once, at the end, instead of per tile.
-        # With SAVE_ARG each element also remembers the first tile (its offset) that
-        # reached it: strictly greater takes over, so on ties the earliest tile stays, and
-        # the final reduction takes the lowest column among the maxima -- the same winner
-        # as the per-tile epilogue.  (The launcher turns it on where it measured faster.)
-        o_n = tl.arange(0, BLOCK_N)
+        # across columns (shuffles between threads) once, at the end, instead of per tile:
+        # for 8-bit inference, whose MMA leaves the epilogue as the bound.  It keeps no
+        # winners (the launcher never asks for both).
+        tl.static_assert(not SAVE_ARG, "the running max keeps no winners")
         b_run = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-        if SAVE_ARG:
-            b_run_n0 = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     if SPLIT_TAIL:
         # The tail tile's tokens are loaded now and used after the main loop: outside the
-        # loop's software pipeline its load would be waited for in full (on an H100 a tail
-        # tile loaded in place cost nearly a whole tile; docs/performance-notes.md).
+        # loop's software pipeline its load would be waited for in full (a tail tile loaded
+        # in place cost nearly a whole tile).
         b_d_tail = _doc_tile(p_d, ld_main, ld, dim, s_dt, s_dh, p_a0, A1, A2, s_a0t, aux_n, TAIL_N, BLOCK_K, D_PAD,
                              UPCAST, DOC_FORMAT, NBITS, BLOCK_H, HAS_BIAS, NORMALIZE, PRECISION)
     for n0 in range(0, ld_main, BLOCK_N):
@@ -316,17 +308,11 @@ def _document_row_max(
             b_q, b_d, p_q, m_row, p_d, p_dm, p_rd, n0, ld, dim, s_qh, s_dt, s_dh, s_dmt, b_floor,
             HAS_DM, ZERO_MODE, NORMALIZE, BLOCK_M, BLOCK_N, BLOCK_K, D_PAD, UPCAST, PRECISION, DOC_FORMAT)
         if RUNNING_MAX:
-            if SAVE_ARG:
-                b_run_n0 = tl.where(b_s > b_run, n0, b_run_n0)
             b_run = _max_nan(b_run, b_s)
         else:
             b_max, b_arg = _merge_tile(b_s, o_t, b_max, b_arg, SAVE_ARG)
     if RUNNING_MAX:
         b_max = tl.reduce(b_run, 1, _max_nan)
-        if SAVE_ARG:
-            # a NaN row matches no column: it keeps no winner (-1 below), so its gradient is 0
-            b_arg = tl.min(tl.where(b_run == b_max[:, None], b_run_n0 + o_n[None, :], 2147483647), axis=1)
-            b_arg = tl.where(b_arg == 2147483647, -1, b_arg)
     if SPLIT_TAIL:
         # the tail's columns come after every main tile's, so merging them last keeps the
         # lowest winning column on ties, as one pass over the whole document would
@@ -367,12 +353,11 @@ def _store_document(
 
 
 # Lengths, and strides that follow them without mattering for vector loads (mask, norm,
-# argmax and score strides), are not specialised: a new length compiles nothing (launch.py).
+# argmax and score strides), are not specialised: a new length compiles nothing (blocking.py).
 # ``aux_n`` is: it is the projection head's hidden size, W's row stride and the bound of its
-# K loop, and only a known multiple of 16 lets W and H load as vectors -- specialising it took
-# the one-query rerank of 1000 documents (h 768) from 0.75 to 0.50 ms on an H100.  (A
-# model's hidden size is fixed; a residual index's centroid count adds at most the usual
-# 3 classes: 1, a multiple of 16, other.)
+# K loop, and only a known multiple of 16 lets W and H load as vectors.  (A model's hidden
+# size is fixed; a residual index's centroid count adds at most the usual 3 classes: 1, a
+# multiple of 16, other.)
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_chunks", "size_class", "s_qmi", "s_dmi",
                                "s_dmj", "s_rdi", "s_rdj", "s_a0i", "s_a0j"])
 def maxsim_fwd_kernel(
@@ -388,7 +373,7 @@ def maxsim_fwd_kernel(
     s_rdi, s_rdj,
     n_qblocks, n_chunks,
     # size_class: not read by the kernel; the autotuner's key holds it, so a launch of a
-    # different size class (``tuning.size_class``) is tuned for itself (launch.py)
+    # different size class (``tuning.size_class``) is tuned for itself
     size_class,
     # the document operand's other inputs (DOC_FORMAT, see _doc_tile): A0 per document at
     # (s_a0i, s_a0j) like D, token stride s_a0t; aux_n: centroids (RESIDUAL) or hidden size (HIDDEN)
@@ -409,7 +394,7 @@ def maxsim_fwd_kernel(
     QUANT_Q: tl.constexpr = False, QUANT_LIMIT: tl.constexpr = 448.0,
     DOCS_PER_PROGRAM: tl.constexpr = 1,
     # TAIL_N: width of the tiles that cover a document's last ``Ld % BLOCK_N`` tokens (0:
-    # the last BLOCK_N tile, masked).  Chosen by the host from Ld (``launch.tail_tile``).
+    # the last BLOCK_N tile, masked).  Chosen by the host from Ld (``blocking.tail_tile``).
     TAIL_N: tl.constexpr = 0,
     DOC_FORMAT: tl.constexpr = 0, NBITS: tl.constexpr = 0, BLOCK_H: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
     # VARLEN: Q and D are packed ``[sum L, d]``; query ``i`` is rows ``CU_Q[i] .. CU_Q[i+1]``,
@@ -433,9 +418,7 @@ def maxsim_fwd_kernel(
         # The projection's sizes as compile-time constants (a model's are fixed): its K loop
         # gets a known trip count, and with the embedding dim known to fill the tile no load
         # of W is masked -- the loop then unrolls and pipelines as a dense GEMM's.  With W's
-        # rows masked by the runtime dim (one predicate and select per load) it stayed a loop:
-        # H100, one query x 1000 documents of 300 tokens, h 768: 0.209 -> 0.195-0.198 ms in an
-        # A/B (docs/performance-notes.md).
+        # rows masked by the runtime dim (one predicate and select per load) it stayed a loop.
         aux_n = N_HIDDEN
     if EVEN_DIM:
         # (HIDDEN, RESIDUAL) the embedding dim fills the tile: no mask along it
@@ -521,8 +504,7 @@ def maxsim_fwd_kernel(
         if DOC_FORMAT == HIDDEN:
             # W is every document's: its base stays A0, whose 16-byte alignment the compiler
             # knows.  Offset through the (unspecialised, here zero) a0 strides it was unknown,
-            # and W loaded one element at a time: the one-query rerank of 1000 documents (h
-            # 768) took 0.50-0.71 ms on an H100 instead of ~0.22 (docs/performance-notes.md).
+            # and W loaded one element at a time.
             p_a0 = A0
         b_max, b_arg, b_floor = _document_row_max(
             b_q, p_q, m_row, p_d, p_dm, p_rd,

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .forward import DENSE, _document_row_max
-from .launch import TARGET_BLOCK_M, _precision, row_blocking
+from .blocking import TARGET_BLOCK_M, row_blocking
+from .operands import precision as _precision
 from .tuning import interpreting, k_tile, next_pow2
 
 

@@ -29,7 +29,6 @@ from importlib import resources
 
 import torch
 import triton
-import triton.language as tl
 
 from ..._config import autotune_mode
 from .backward import maxsim_bwd_doc_kernel
@@ -245,18 +244,6 @@ def _same_but_size(rows: dict, key: tuple, size_at: int):
             cfg = rows.get(_encode_key(probe))
             if cfg is not None:
                 yield other, cfg
-
-
-def export_table(path: str, arch: str) -> int:
-    """Write every config chosen so far (swept or from a table) to ``path`` as ``arch``'s
-    table; returns the number of entries."""
-    entries = []
-    for key, config in sorted(_chosen.items(), key=lambda kv: _encode_key(kv[0])):
-        kernel = "doc" if key and key[0] == "doc" else "forward"
-        entries.append({"kernel": kernel, "key": json.loads(_encode_key(key)), "config": config})
-    with open(path, "w") as f:
-        json.dump({"version": TABLE_VERSION, "arch": arch, "entries": entries}, f, indent=1)
-    return len(entries)
 
 
 # ---------------------------------------------------------------- lowmem grad_D
