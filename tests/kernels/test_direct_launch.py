@@ -198,3 +198,51 @@ def test_compact_row_lists_are_freed_before_a_separate_gather(monkeypatch):
         lik.maxsim(Q, D, backward="lowmem").sum().backward()
     launch.clear_plans()
     assert live_lists == [0, 0]
+
+
+def _plain_jit_kernel():
+    """A real ``JITFunction`` even under the interpreter (what the GPU path launches)."""
+    import triton
+    import triton.language as tl
+
+    def scale_kernel(X, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(X + o, tl.load(X + o, mask=o < n) * 2, mask=o < n)
+
+    return triton.runtime.JITFunction(scale_kernel)
+
+
+def test_a_shipped_binary_serves_the_plan_without_the_jit(monkeypatch):
+    """``LIK_SHIPPED_BINARIES=1``: the plan's first launch asks the loader once, and every
+    launch of the plan goes to the shipped binary with its grid, PyTorch's stream and the
+    call's arguments; unset, the loader is not asked and the JIT launches."""
+    from lik_plugins.kernels.triton import binaries_loader, direct
+
+    kernel = _plain_jit_kernel()
+    asked, launched, jit = [], [], []
+
+    def shipped(grid, stream, args):
+        launched.append((grid, stream, args))
+
+    monkeypatch.setattr(binaries_loader, "find", lambda k, needed, device: asked.append(needed) or shipped)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    monkeypatch.setattr(kernel, "run", lambda *a, **k: jit.append((a, k)))
+    monkeypatch.setattr(direct, "replay_ok", lambda: True)
+    monkeypatch.setenv("LIK_SHIPPED_BINARIES", "1")
+    direct.clear()
+    x = torch.zeros(64)
+    direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16})
+    direct.launch(kernel, lambda meta: (meta["BLOCK"] // 8, 2), (x[16:], 9), {"BLOCK": 16})
+    assert len(asked) == 1 and asked[0] == direct.variant(kernel, (x, 5), {"BLOCK": 16})
+    assert [(grid, stream) for grid, stream, _ in launched] == [((3,), 77), ((2, 2), 77)]
+    assert launched[1][2][0].data_ptr() == x[16:].data_ptr() and launched[1][2][1] == 9
+    assert jit == []
+    # another specialisation (an address off 16 bytes) is another variant: asked again
+    direct.launch(kernel, (1,), (x[1:], 5), {"BLOCK": 16})
+    assert len(asked) == 2 and len(launched) == 3
+
+    monkeypatch.setenv("LIK_SHIPPED_BINARIES", "0")
+    direct.clear()
+    direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16})
+    assert len(asked) == 2 and len(launched) == 3 and len(jit) == 1
