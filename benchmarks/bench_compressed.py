@@ -37,7 +37,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "src")  # this checkout's lik_plugins
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lik_plugins as lik  # noqa: E402
-from lik_plugins import plaid  # noqa: E402
+from lik_plugins.ops import plaid  # noqa: E402
 from lik_plugins.kernels import reference  # noqa: E402
 
 from bench_kernels import environment, measure_ceilings  # noqa: E402

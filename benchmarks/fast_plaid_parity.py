@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
-from lik_plugins import plaid  # noqa: E402
+from lik_plugins.ops import plaid  # noqa: E402
 
 # two fp16 ulps at magnitudes up to 1 (unit-norm tokens): fast-plaid rounds its centroids and
 # its reconstruction to fp16

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 import lik_plugins as lik
-from lik_plugins import fp8, library
+from lik_plugins.autograd import dense as library
+from lik_plugins.kernels import triton_ops as fp8
 
 
 def _calls():

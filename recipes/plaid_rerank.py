@@ -32,7 +32,7 @@ def build_index(emb: dict, nbits: int, n_centroids: int, device: str):
     """(codes [Nd, Ld], residuals [Nd, Ld, R], lengths, centroids, bucket weights) of the passages."""
     import torch
 
-    from lik_plugins import plaid
+    from lik_plugins.ops import plaid
 
     D, dm = emb["passages"], emb["passage_mask"]
     tokens = D[dm]                                              # [N, d] valid tokens only

@@ -109,7 +109,7 @@ def float64_order(index, queries, lists_a, lists_b, k: int):
     stored codes and residuals (``lik_plugins.plaid.decompress``, the reference decompression)."""
     import torch
 
-    from lik_plugins import plaid
+    from lik_plugins.ops import plaid
 
     offsets = index.host_offsets
     centroids, weights = index.centroids.double(), index.bucket_weights.double()

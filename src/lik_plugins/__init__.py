@@ -1,7 +1,9 @@
 """lik_plugins: fused MaxSim kernels for late-interaction retrievers, behind a one-line switch.
 
 Importing this package is cheap: it never imports Triton, PyLate or colpali-engine
-eagerly.  Public surface::
+eagerly.  The ops live in :mod:`lik_plugins.ops` (one module per family), their registered
+ops and autograd in :mod:`lik_plugins.autograd`, the kernels and the one chooser of the device
+path in :mod:`lik_plugins.kernels`.  Public surface::
 
     maxsim, maxsim_pairs, retrieve, MaxSimScorer      # the ops
     maxsim_varlen, score_pairs_packed, maxsim_padded  # packed (cu_seqlens), pair-list, padded+lengths
@@ -11,7 +13,7 @@ eagerly.  Public surface::
     quantize_int8, maxsim_int8, Int8Tokens            # opt-in int8 inference (Ampere and newer)
     maxsim_from_hidden                                # the projection head fused into the scoring
     maxsim_residual, maxsim_residual_varlen,          # PLAID / ColBERTv2 compressed indexes
-    plaid_approx_score                                #   (lik_plugins.plaid: compress, decompress)
+    plaid_approx_score                                #   (lik_plugins.ops: compress, decompress)
     routing_counts, reset_routing_counts              # which path served each call
     patch_pylate, unpatch_pylate                      # PyLate integration
     patch_colpali_engine, unpatch_colpali_engine      # colpali-engine integration
@@ -25,27 +27,15 @@ from ._routing import reset_routing_counts, routing_counts
 
 __version__ = "0.1.0"
 
+# Names read from lik_plugins.ops (one module per family there).
+_OPS = (
+    "maxsim", "maxsim_pairs", "retrieve", "smooth_maxsim", "maxsim_from_hidden", "MaxSimScorer",
+    "maxsim_varlen", "score_pairs_packed", "maxsim_padded", "pack", "unpack",
+    "quantize_fp8", "maxsim_fp8", "Fp8Tokens", "quantize_int8", "maxsim_int8", "Int8Tokens",
+    "maxsim_residual", "maxsim_residual_varlen", "plaid_approx_score",
+)
 _LAZY = {
-    "maxsim": ("lik_plugins.ops", "maxsim"),
-    "maxsim_pairs": ("lik_plugins.ops", "maxsim_pairs"),
-    "retrieve": ("lik_plugins.ops", "retrieve"),
-    "maxsim_varlen": ("lik_plugins.packed", "maxsim_varlen"),
-    "score_pairs_packed": ("lik_plugins.packed", "score_pairs_packed"),
-    "maxsim_padded": ("lik_plugins.packed", "maxsim_padded"),
-    "pack": ("lik_plugins.packed", "pack"),
-    "unpack": ("lik_plugins.packed", "unpack"),
-    "MaxSimScorer": ("lik_plugins.modules", "MaxSimScorer"),
-    "smooth_maxsim": ("lik_plugins.ops", "smooth_maxsim"),
-    "quantize_fp8": ("lik_plugins.fp8", "quantize_fp8"),
-    "maxsim_fp8": ("lik_plugins.fp8", "maxsim_fp8"),
-    "Fp8Tokens": ("lik_plugins.fp8", "Fp8Tokens"),
-    "quantize_int8": ("lik_plugins.int8", "quantize_int8"),
-    "maxsim_int8": ("lik_plugins.int8", "maxsim_int8"),
-    "Int8Tokens": ("lik_plugins.int8", "Int8Tokens"),
-    "maxsim_from_hidden": ("lik_plugins.ops", "maxsim_from_hidden"),
-    "maxsim_residual": ("lik_plugins.plaid", "maxsim_residual"),
-    "maxsim_residual_varlen": ("lik_plugins.plaid", "maxsim_residual_varlen"),
-    "plaid_approx_score": ("lik_plugins.plaid", "plaid_approx_score"),
+    **{name: ("lik_plugins.ops", name) for name in _OPS},
     "patch_pylate": ("lik_plugins.pylate", "patch_pylate"),
     "unpatch_pylate": ("lik_plugins.pylate", "unpatch_pylate"),
     "patch_colpali_engine": ("lik_plugins.colpali", "patch_colpali_engine"),

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import _routing
-from ._validate import check_tensor
+from .ops.validate import check_tensor
 from .kernels.dispatch import implementation, served_by
 
 __all__ = ["FastPlaidIndex", "load_fast_plaid_index", "plaid_search", "clear_index_cache"]

@@ -149,7 +149,7 @@ def _facts(arch: str) -> tuple[int, int]:
 def _planning_for(arch: str):
     """The op layer routes ``meta`` tensors to the Triton launchers, which plan for ``arch``
     (its committed config table, SMs and shared memory) and note their launches."""
-    from . import library
+    from .kernels import dispatch as library  # the chooser: served_by is patched there
     from .kernels import device
     from .kernels.triton import direct, tuning
 

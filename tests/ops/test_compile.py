@@ -129,17 +129,16 @@ def test_export_a_module_that_scores():
 def test_fake_kernels_agree_with_the_real_ops():
     """The registered ops' own consistency check: schema, fake kernel and real kernel agree
     (shapes, dtypes, strides, aliasing) on each layout."""
-    from lik_plugins import library
+    from lik_plugins.autograd import dense, smooth
+    from lik_plugins.autograd.registry import CANDIDATES, CROSS, PAIRS
 
     Q, D, qm, dm = _inputs(11)
     Qk, Dk, _, dmk = _inputs(12, kd=True)
     cases = [
-        (library.maxsim_forward.op, (Q, D, qm, dm, library.CROSS, True, False, True, "", "auto", True, True)),
-        (library.maxsim_forward.op, (Qk, Dk, None, dmk, library.CANDIDATES, False, True, True, "", "lowmem", True,
-                                      False)),
-        (library.maxsim_forward.op, (Q, D[:4], None, None, library.PAIRS, False, False, False, "", "auto", False,
-                                      False)),
-        (library.smooth_maxsim_forward.op, (Q, D, 0.1, library.CROSS, "", True, True)),
+        (dense.maxsim_forward.op, (Q, D, qm, dm, CROSS, True, False, True, "", "auto", True, True)),
+        (dense.maxsim_forward.op, (Qk, Dk, None, dmk, CANDIDATES, False, True, True, "", "lowmem", True, False)),
+        (dense.maxsim_forward.op, (Q, D[:4], None, None, PAIRS, False, False, False, "", "auto", False, False)),
+        (smooth.smooth_maxsim_forward.op, (Q, D, 0.1, CROSS, "", True, True)),
     ]
     for op, args in cases:
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
@@ -147,7 +146,7 @@ def test_fake_kernels_agree_with_the_real_ops():
 
 
 def _compressed_inputs(seed):
-    from lik_plugins import plaid
+    from lik_plugins.ops import plaid
 
     g = torch.Generator().manual_seed(seed)
     emb = F.normalize(torch.randn(5 * 9, 16, generator=g), dim=-1)
@@ -198,7 +197,7 @@ def test_compiled_compressed_ops_equal_eager(monkeypatch, backend):
 
 
 def test_fake_kernels_of_the_compressed_ops():
-    from lik_plugins import library
+    from lik_plugins.autograd import hidden, quantized, residual
     from lik_plugins.kernels import reference
 
     codes, residuals, lengths, centroids, weights = _compressed_inputs(8)
@@ -208,23 +207,80 @@ def test_fake_kernels_of_the_compressed_ops():
     dm = reference.lengths_mask(lengths, 9)
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
     lengths32 = lengths.to(torch.int32)
-    scores, argmax = library.maxsim_residual_forward(Q, codes, residuals, lengths32, centroids, weights, 4, True, True,
-                                                     "")
-    _, h_argmax = library.maxsim_hidden_forward(Q, H, W, b, dm, True, True, "")
+    scores, argmax = residual.maxsim_residual_forward(Q, codes, residuals, lengths32, centroids, weights, 4, True,
+                                                      True, "")
+    _, h_argmax = hidden.maxsim_hidden_forward(Q, H, W, b, dm, True, True, "")
     qv, qs = reference.quantize_int8(Q)
     dv, ds = reference.quantize_int8(H[..., :16])
     grad = torch.randn(2, 5, generator=g)
     cases = [
-        (library.maxsim_residual_forward.op, (Q, codes, residuals, lengths32, centroids, weights, 4, True, True, "")),
-        (library.maxsim_residual_backward.op, (grad, Q, codes, residuals, centroids, weights, argmax, 4, True)),
-        (library.maxsim_hidden_forward.op, (Q, H, W, b, dm, False, True, "")),
-        (library.maxsim_hidden_forward.op, (Q, H, W, None, None, True, False, "")),
-        (library.maxsim_hidden_backward.op, (grad, Q, H, W, b, h_argmax, True, True, True, True, True)),
-        (library.maxsim_hidden_backward.op, (grad, Q, H, W, None, h_argmax, False, False, True, False, False)),
-        (library.maxsim_int8.op, (qv, qs, dv, ds, None, dm, False, "")),
-        (library.plaid_approx_score.op, (torch.randn(6, 4, generator=g), codes, lengths)),
-        (library.maxsim_residual_varlen.op, (Q, codes[dm].to(torch.int32), residuals[dm], cu, centroids, weights, 4, 9,
+        (residual.maxsim_residual_forward.op, (Q, codes, residuals, lengths32, centroids, weights, 4, True, True, "")),
+        (residual.maxsim_residual_backward.op, (grad, Q, codes, residuals, centroids, weights, argmax, 4, True)),
+        (hidden.maxsim_hidden_forward.op, (Q, H, W, b, dm, False, True, "")),
+        (hidden.maxsim_hidden_forward.op, (Q, H, W, None, None, True, False, "")),
+        (hidden.maxsim_hidden_backward.op, (grad, Q, H, W, b, h_argmax, True, True, True, True, True)),
+        (hidden.maxsim_hidden_backward.op, (grad, Q, H, W, None, h_argmax, False, False, True, False, False)),
+        (quantized.maxsim_int8.op, (qv, qs, dv, ds, None, dm, False, "")),
+        (residual.plaid_approx_score.op, (torch.randn(6, 4, generator=g), codes, lengths)),
+        (residual.maxsim_residual_varlen.op, (Q, codes[dm].to(torch.int32), residuals[dm], cu, centroids, weights, 4, 9,
                                              True, "")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ------------------------------------------------------------------ CUDA (marker gpu)
+# fullgraph, default and ``reduce-overhead`` (CUDA graphs) on the compiled Triton kernels:
+# values and gradients equal eager, no graph break.
+
+
+def _cuda_inputs(seed, kd=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Q = F.normalize(torch.randn(32, 24, 128, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
+    shape = (32, 4, 180, 128) if kd else (48, 180, 128)
+    D = F.normalize(torch.randn(*shape, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
+    dm = torch.rand(*shape[:-1], device="cuda", generator=g) > 0.2
+    return Q, D, dm
+
+
+def _cuda_cross(Q, D, dm):
+    return F.cross_entropy(lik.maxsim(Q, D, None, dm)[:, :32] / 0.05, torch.arange(32, device="cuda"))
+
+
+def _cuda_kd(Q, D, dm):
+    return F.log_softmax(lik.maxsim(Q, D, None, dm, mask_mode="zero"), -1)[:, 0].mean()
+
+
+def _cuda_smooth(Q, D, dm):
+    return lik.smooth_maxsim(Q, D * dm.unsqueeze(-1), tau=0.1).logsumexp(-1).mean()
+
+
+CUDA_LOSSES = [pytest.param(_cuda_cross, id="cross"), pytest.param(_cuda_kd, id="kd"),
+               pytest.param(_cuda_smooth, id="smooth")]
+
+
+@pytest.mark.parametrize("mode", ["fullgraph", "default", "reduce-overhead"])
+@pytest.mark.parametrize("fn", CUDA_LOSSES)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_equals_eager_on_cuda(mode, fn):
+    kd = fn is _cuda_kd
+    compiled = torch.compile(fn, fullgraph=mode == "fullgraph", mode="reduce-overhead" if mode == "reduce-overhead" else None)
+    lik.reset_routing_counts()
+    for seed in range(3):   # reduce-overhead: warm-up, recording, then a replay
+        Q, D, dm = _cuda_inputs(seed, kd)
+        loss = compiled(Q, D, dm)
+        got = (loss.detach().clone(), *[g.clone() for g in torch.autograd.grad(loss, (Q, D))])
+        eager = fn(Q, D, dm)
+        want = (eager.detach(), *torch.autograd.grad(eager, (Q, D)))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+    assert any("triton" in paths for paths in lik.routing_counts().values())
+
+
+@pytest.mark.parametrize("fn", CUDA_LOSSES)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_graph_break_on_cuda(fn):
+    explained = torch._dynamo.explain(fn)(*_cuda_inputs(7, fn is _cuda_kd))
+    assert explained.graph_break_count == 0, explained.break_reasons

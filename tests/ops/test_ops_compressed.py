@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import lik_plugins as lik
-from lik_plugins import plaid
+from lik_plugins.ops import plaid
 from lik_plugins.kernels import reference
 from support.maxsim_testlib import backend_params, rel_err
 

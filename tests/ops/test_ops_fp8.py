@@ -229,13 +229,13 @@ def test_query_quantisation_is_fused_only_where_its_repetition_is_small(monkeypa
     """Every program of the fused kernel quantises its own query rows, so the work grows
     with the documents per query: fused for a rerank of a thousand documents, not for a
     4096-document search or a 1024-token query against 2000 documents (measured slower)."""
-    from lik_plugins import fp8
+    from lik_plugins.kernels import triton_ops
 
-    monkeypatch.setattr(fp8, "triton_interpret", lambda: False)  # the GPU's decision
+    monkeypatch.setattr(triton_ops, "triton_interpret", lambda: False)  # the GPU's decision
     q32, q1024 = torch.empty(1, 32, 128), torch.empty(1, 1024, 128)
-    assert fp8.fuse_query_quantisation(q32, torch.empty(1000, 300, 128, dtype=torch.uint8))
-    assert fp8.fuse_query_quantisation(q32, torch.empty(1, 50, 300, 128, dtype=torch.uint8))  # candidates
-    assert not fp8.fuse_query_quantisation(torch.empty(64, 32, 128), torch.empty(4096, 256, 128))
-    assert not fp8.fuse_query_quantisation(q1024, torch.empty(2000, 1030, 128))
-    assert not fp8.fuse_query_quantisation(torch.empty(1, 32, 384), torch.empty(10, 30, 384))  # K tile > 256
-    assert not fp8.fuse_query_quantisation(fp8.quantize_fp8(torch.randn(1, 4, 16)), torch.empty(10, 30, 16))
+    assert triton_ops.fuse_query_quantisation(q32, torch.empty(1000, 300, 128, dtype=torch.uint8))
+    assert triton_ops.fuse_query_quantisation(q32, torch.empty(1, 50, 300, 128, dtype=torch.uint8))  # candidates
+    assert not triton_ops.fuse_query_quantisation(torch.empty(64, 32, 128), torch.empty(4096, 256, 128))
+    assert not triton_ops.fuse_query_quantisation(q1024, torch.empty(2000, 1030, 128))
+    assert not triton_ops.fuse_query_quantisation(torch.empty(1, 32, 384), torch.empty(10, 30, 384))  # K tile > 256
+    assert not triton_ops.fuse_query_quantisation(lik.quantize_fp8(torch.randn(1, 4, 16)), torch.empty(10, 30, 16))

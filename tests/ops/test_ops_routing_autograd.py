@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import lik_plugins as lik
-from lik_plugins.library import choose_backward
+from lik_plugins.autograd.dense import choose_backward
 from lik_plugins.kernels import reference
-from lik_plugins.ops import served_by
+from lik_plugins.kernels.dispatch import served_by
 from support.maxsim_testlib import backend_params, check_against_reference, make_inputs, rel_err
 
 BACKENDS = backend_params()

@@ -5,8 +5,8 @@ forward and backward against the float64 reference; and the shape that crashed t
 varlen backward (issue 37) as a regular test.
 
 Packed ops covered: ``maxsim_varlen``, ``score_pairs_packed``, ``maxsim_padded``
-(``lik_plugins.packed``), ``maxsim_residual_varlen`` with and without a gradient and
-``plaid_approx_score`` (``lik_plugins.plaid``).  (``lik_plugins._tokens`` is the fp8/int8
+(``lik_plugins.ops.packed``), ``maxsim_residual_varlen`` with and without a gradient and
+``plaid_approx_score`` (``lik_plugins.ops.plaid``).  (``lik_plugins.ops.quantized`` is the fp8/int8
 token container: it has no packed op.)
 
 The cost is bounded: few examples, small embedding dims, and reference loops of at most a

@@ -84,14 +84,14 @@ def test_maxsim_padded_compiles_without_breaks():
 
 
 def test_fake_kernels_agree_with_the_real_ops():
-    from lik_plugins import library
+    from lik_plugins.autograd import packed
 
     Qp, Dp, cu_q, cu_d, mq, md, dm = (a.detach() if isinstance(a, torch.Tensor) else a for a in _inputs(5))
     pq, pd = torch.tensor([2, 0, 2], dtype=torch.int32), torch.tensor([3, 1, 0], dtype=torch.int32)
     cases = [
-        (library.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, None, None, None, dm, mq, md, True, True, True, "", True, True)),
-        (library.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, pq, pd, None, None, mq, md, False, False, True, "", True, False)),
-        (library.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, pq, pd, None, None, mq, md, False, False, False, "", False, False)),
+        (packed.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, None, None, None, dm, mq, md, True, True, True, "", True, True)),
+        (packed.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, pq, pd, None, None, mq, md, False, False, True, "", True, False)),
+        (packed.maxsim_varlen_forward.op, (Qp, Dp, cu_q, cu_d, pq, pd, None, None, mq, md, False, False, False, "", False, False)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

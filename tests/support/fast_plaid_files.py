@@ -23,7 +23,7 @@ import os
 import numpy as np
 import torch
 
-from lik_plugins import plaid
+from lik_plugins.ops import plaid
 
 # the folder that holds the stand-in ``fast_plaid``: a test puts it first on sys.path
 STUB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_plaid_stub")

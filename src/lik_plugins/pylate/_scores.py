@@ -265,7 +265,7 @@ def _prepare_pairwise(Q, D):
         out_dtype = first.dtype
 
         def run_packed() -> torch.Tensor:
-            from ..packed import pack, score_pairs_packed
+            from ..ops.packed import pack, score_pairs_packed
 
             Qp, cu_q, max_q = pack(Qs)
             Dp, cu_d, max_d = pack(Ds)

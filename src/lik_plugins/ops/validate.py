@@ -1,13 +1,18 @@
-"""Argument checks shared by the public ops (``ops``, ``fp8``): clear errors, raised
-before anything runs."""
+"""Argument checks shared by the public ops (:mod:`lik_plugins.ops`): clear errors, raised
+before anything runs, and the score dtype every op promises."""
 from __future__ import annotations
 
 import torch
 
-from .kernels.reference import MASK_MODES
-from .library import BACKWARD_STRATEGIES
+from ..kernels.reference import MASK_MODES
+from ..autograd.dense import BACKWARD_STRATEGIES
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def score_tensor(scores: torch.Tensor) -> torch.Tensor:
+    """Scores as every op returns them: float32, float64 for float64 inputs."""
+    return scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
 
 
 def check_options(backward: str, mask_mode: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import maxsim
+from .dense import maxsim
 
 
 class MaxSimScorer(nn.Module):

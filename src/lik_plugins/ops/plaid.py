@@ -29,11 +29,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import _routing, library
-from ._config import disabled, forced_backend
-from ._validate import check_max_seqlen, check_offsets, check_tensor, offsets_problems, offsets_rule, settle_checks
-from .kernels import reference
-from .kernels.reference import PLAID_NBITS, residual_bytes
+from .. import autograd
+from ..kernels import reference
+from ..kernels.dispatch import reference_requested
+from ..kernels.reference import PLAID_NBITS, residual_bytes
+from .validate import check_max_seqlen, check_offsets, check_tensor, offsets_problems, offsets_rule, settle_checks
 
 __all__ = ["ResidualIndex", "fit_centroids", "compress", "decompress", "maxsim_residual",
            "maxsim_residual_varlen", "plaid_approx_score"]
@@ -211,13 +211,12 @@ def maxsim_residual(Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tenso
     if not isinstance(doc_lengths, torch.Tensor) or doc_lengths.shape != (codes.shape[0],) \
             or doc_lengths.is_floating_point():
         raise ValueError(f"doc_lengths must be an integer tensor of shape ({codes.shape[0]},)")
-    if disabled() or forced_backend() == "reference":
-        _routing.record("maxsim_residual", "reference")
+    if reference_requested("maxsim_residual"):
         out = reference.maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits,
                                         normalize=normalize).float()
     else:
         lengths = doc_lengths.to(codes.device, torch.int32).contiguous()
-        out = library.maxsim_residual(Q, codes.to(torch.int32).contiguous(), residuals.contiguous(), lengths,
+        out = autograd.residual.maxsim_residual(Q, codes.to(torch.int32).contiguous(), residuals.contiguous(), lengths,
                                       centroids.contiguous(), bucket_weights.float().contiguous(), nbits=nbits,
                                       normalize=bool(normalize), entry="maxsim_residual")
     return out.squeeze(0) if single else out
@@ -230,7 +229,7 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
     ``cu_seqlens_d[j] .. cu_seqlens_d[j + 1]`` of ``codes_flat [N]`` / ``residuals_flat [N, R]``.
 
     ``max_seqlen_d``: the longest document; omitted, it is read from ``cu_seqlens_d`` (one
-    host sync).  Offsets and bound follow :mod:`lik_plugins.packed`'s rule: a broken rule is a
+    host sync).  Offsets and bound follow :mod:`lik_plugins.ops.packed`'s rule: a broken rule is a
     ``ValueError`` naming it and its index (on a GPU with the bound given, a device-side
     assertion); a bound below the longest document is an error, never a truncation.  Without a gradient the Triton kernel reads
     the packed tokens in place (no copy); when ``Q`` needs a gradient, and off the Triton
@@ -260,11 +259,11 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
     if longest is not None:
         max_seqlen_d = longest[0]
     wants_grad = isinstance(Q, torch.Tensor) and Q.requires_grad and torch.is_grad_enabled()
-    if wants_grad or disabled() or forced_backend() == "reference":
+    if wants_grad or reference_requested():
         codes, residuals, lengths = reference.pad_packed_index(codes_flat, residuals_flat, cu, max_seqlen_d)
         return maxsim_residual(Q, codes, residuals, lengths, centroids, bucket_weights, nbits, normalize=normalize)
     Q3, single = _queries(Q, centroids, codes_flat.device)
-    out = library.maxsim_residual_varlen(Q3, codes_flat.to(torch.int32).contiguous(), residuals_flat.contiguous(),
+    out = autograd.residual.maxsim_residual_varlen(Q3, codes_flat.to(torch.int32).contiguous(), residuals_flat.contiguous(),
                                          cu.to(torch.int32), centroids.contiguous(),
                                          bucket_weights.float().contiguous(), nbits, int(max_seqlen_d),
                                          bool(normalize), "maxsim_residual_varlen")
@@ -300,7 +299,6 @@ def plaid_approx_score(query_centroid_scores: torch.Tensor, codes: torch.Tensor,
         raise ValueError(f"doc_lengths must be an integer tensor of shape ({codes.shape[0]},)")
     if query_centroid_scores.device != codes.device or doc_lengths.device != codes.device:
         raise ValueError("query_centroid_scores, codes and doc_lengths must be on one device")
-    if disabled() or forced_backend() == "reference":
-        _routing.record("plaid_approx_score", "reference")
+    if reference_requested("plaid_approx_score"):
         return reference.plaid_approx_score(query_centroid_scores, codes, doc_lengths).float()
-    return library.plaid_approx_score(query_centroid_scores, codes, doc_lengths)
+    return autograd.residual.plaid_approx_score(query_centroid_scores, codes, doc_lengths)

@@ -33,13 +33,15 @@ from typing import Sequence
 
 import torch
 
-from . import _routing, library
-from ._validate import (
+from .. import autograd
+from ..autograd.registry import CANDIDATES
+from ..kernels import reference
+from ..kernels.dispatch import reference_requested, served_by
+from .dense import score
+from .validate import (
     check_index_tensor, check_mask, check_max_seqlen, check_offsets, check_offsets_shape, check_options, check_tensor,
-    index_problems, lengths_problems, offsets_problems, offsets_rule, settle_checks,
+    index_problems, lengths_problems, offsets_problems, offsets_rule, score_tensor, settle_checks,
 )
-from .kernels import reference
-from .kernels.dispatch import served_by
 
 __all__ = ["maxsim_varlen", "score_pairs_packed", "maxsim_padded", "pack", "unpack"]
 
@@ -149,14 +151,14 @@ def _packed(entry, Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, q_mask, d_mas
     if max_q is not None and max_d is not None and Q.is_cuda and served_by(Q, "maxsim") == "triton":
         # every check in one kernel launch: as torch ops they cost more host time than a
         # rerank of a thousand candidates takes on the GPU (kernels/triton/checks.py)
-        from .kernels.triton.checks import packed_inputs_ok
+        from ..kernels.triton.checks import packed_inputs_ok
 
         check_offsets_shape("cu_seqlens_q", cu_q, Q.shape[0])
         check_offsets_shape("cu_seqlens_d", cu_d, D.shape[0])
         # (CUDA reports a failed device assert without its message, and the message must
         # be short: the offsets rule is in this module's docstring)
         torch._assert_async(packed_inputs_ok(cu_q, Q.shape[0], max_q, cu_d, D.shape[0], max_d, pair_q, pair_d),
-                            "packed offsets, max_seqlen or pair indices break lik_plugins.packed's rule "
+                            "packed offsets, max_seqlen or pair indices break lik_plugins.ops.packed's rule "
                             "(omit max_seqlen_q/_d to have the rule and its index named)")
     else:
         max_q, max_d = _check_on_device(cu_q, cu_d, pair_q, pair_d, Q.shape[0], D.shape[0], max_q, max_d)
@@ -164,17 +166,12 @@ def _packed(entry, Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, q_mask, d_mas
     if pair_q is not None:
         pair_q, pair_d = pair_q.to(torch.int32), pair_d.to(torch.int32)
 
-    from .ops import _reference_requested
-
-    if _reference_requested():
-        _routing.record(entry, "reference")
+    if reference_requested(entry):
         kwargs = dict(q_mask=q_mask, d_mask=d_mask, normalize=normalize, mask_mode=mask_mode)
         if pair_q is None:
-            out = reference.maxsim_varlen(Q, D, cu_q, cu_d, **kwargs)
-        else:
-            out = reference.score_pairs_packed(Q, D, cu_q, cu_d, pair_q, pair_d, **kwargs)
-        return out if out.dtype == torch.float64 else out.float()
-    return library.maxsim_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q=int(max_q),
+            return score_tensor(reference.maxsim_varlen(Q, D, cu_q, cu_d, **kwargs))
+        return score_tensor(reference.score_pairs_packed(Q, D, cu_q, cu_d, pair_q, pair_d, **kwargs))
+    return autograd.packed.maxsim_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q=int(max_q),
                                  max_d=int(max_d), normalize=bool(normalize), zero_mode=mask_mode == "zero",
                                  entry=entry)
 
@@ -263,12 +260,13 @@ def maxsim_padded(
                         lambda name=name, lengths=lengths, bound=bound: lengths_problems(name, lengths, bound),
                         f"{name} must lie in [0, {bound}]")],
                       host_read_needed=False)
-    q_mask = torch.arange(lq, device=queries.device) < query_lengths.unsqueeze(-1)
-    d_mask = torch.arange(ld, device=documents.device) < doc_lengths.unsqueeze(-1)
-    from .ops import _score
+    return score("maxsim_padded", queries, documents, _prefix_mask(query_lengths, lq), _prefix_mask(doc_lengths, ld),
+                 CANDIDATES, normalize=normalize, backward="auto", mask_mode="exclude")
 
-    return _score("maxsim_padded", queries, documents, q_mask, d_mask, library.CANDIDATES, normalize=normalize,
-                  backward="auto", mask_mode="exclude")
+
+def _prefix_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:
+    """``[..., size]`` bool: position ``t`` of entry ``i`` is valid when ``t < lengths[i]``."""
+    return torch.arange(size, device=lengths.device) < lengths.unsqueeze(-1)
 
 
 def pack(sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:

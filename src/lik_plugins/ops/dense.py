@@ -1,8 +1,16 @@
-"""Public ops: validation with clear errors, the contract in the docstrings.
+"""Dense MaxSim, the public ops on padded ``[N, L, d]`` tokens: :func:`maxsim`,
+:func:`maxsim_pairs`, :func:`retrieve`, :func:`smooth_maxsim`, :func:`maxsim_from_hidden`.
 
-Data path: public op (here) -> registered op layer (:mod:`lik_plugins.library`: custom ops,
-autograd, device dispatch at run time) -> kernels.  Host adapters (``lik_plugins.pylate``,
-``lik_plugins.colpali``) call these functions, never the kernels.
+Each validates its arguments (clear errors, before anything runs), holds the contract in its
+docstring, and hands the validated tensors to the registered op layer
+(:mod:`lik_plugins.autograd`), which asks the chooser (:mod:`lik_plugins.kernels.dispatch`)
+for the device path at run time.  ``LIK_DISABLE=1`` / ``LIK_BACKEND=reference`` is the one
+exception, also answered by the chooser: the op runs the plain formulation
+(:mod:`lik_plugins.kernels.reference`) by torch's own autograd.  Host adapters call these
+functions, never the kernels.
+
+``maxsim_from_hidden`` stays beside ``maxsim``: it is the same contract with the documents
+given as hidden states, and its checks are a few lines.
 """
 from __future__ import annotations
 
@@ -10,31 +18,28 @@ import math
 
 import torch
 
-from . import _routing, library
-from ._config import disabled, forced_backend
-from ._validate import check_mask, check_options, check_tensor, prepare
-from .kernels import reference
-from .kernels.dispatch import served_by
+from .. import _routing
+from .. import autograd
+from ..autograd.registry import CANDIDATES, CROSS, PAIRS
+from ..kernels import reference
+from ..kernels.dispatch import reference_requested, served_by
+from . import quantized
+from .validate import check_mask, check_options, check_tensor, prepare, score_tensor
 
-__all__ = ["maxsim", "maxsim_pairs", "maxsim_from_hidden", "smooth_maxsim", "retrieve", "served_by"]
-
-
-def _reference_requested() -> bool:
-    """``LIK_DISABLE=1`` or ``LIK_BACKEND=reference``: the plain formulation, by torch's own
-    autograd.  (Under ``torch.compile`` this is read when the function is compiled.)"""
-    return disabled() or forced_backend() == "reference"
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_from_hidden", "smooth_maxsim", "retrieve"]
 
 
-def _score(entry, Q, D, q_mask, d_mask, layout, *, normalize, backward, mask_mode):
-    if _reference_requested():
-        if entry:
-            _routing.record(entry, "reference")
-        if layout == library.PAIRS:
+def score(entry, Q, D, q_mask, d_mask, layout, *, normalize, backward, mask_mode):
+    """Validated dense inputs in, scores out: the one call into the registered op layer for
+    :func:`maxsim`, :func:`maxsim_pairs`, :func:`retrieve` and ``packed.maxsim_padded``
+    (``entry``: the public op counted in ``routing_counts``; empty: not counted)."""
+    if reference_requested(entry):
+        if layout == PAIRS:
             out = reference.maxsim_pairs(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
         else:
             out = reference.maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
-        return out if out.dtype == torch.float64 else out.float()
-    return library.maxsim(Q, D, q_mask, d_mask, layout=layout, normalize=bool(normalize),
+        return score_tensor(out)
+    return autograd.dense.maxsim(Q, D, q_mask, d_mask, layout=layout, normalize=bool(normalize),
                           zero_mode=mask_mode == "zero", strategy=backward, entry=entry)
 
 
@@ -66,7 +71,7 @@ def maxsim(
             ``"auto"`` picks ``"lowmem"`` for candidates and pairs, and for the cross
             product ``"unified"`` except for small batches and short documents, where
             ``"lowmem"`` measured faster or much leaner (see
-            :func:`lik_plugins.library.choose_backward`).
+            :func:`lik_plugins.autograd.dense.choose_backward`).
         mask_mode: ``"exclude"`` — a masked document token cannot win; a query token with
             no valid document token contributes 0.  ``"zero"`` — PyLate's multiplicative
             mask: a masked document token's similarity is 0 and competes for the max.
@@ -86,7 +91,7 @@ def maxsim(
     """
     check_options(backward, mask_mode)
     Q, D, q_mask, d_mask, cross = prepare(Q, D, q_mask, d_mask, pairs=False)
-    return _score("maxsim", Q, D, q_mask, d_mask, library.CROSS if cross else library.CANDIDATES,
+    return score("maxsim", Q, D, q_mask, d_mask, CROSS if cross else CANDIDATES,
                   normalize=normalize, backward=backward, mask_mode=mask_mode)
 
 
@@ -106,7 +111,7 @@ def maxsim_pairs(
     """
     check_options(backward, mask_mode)
     Q, D, q_mask, d_mask, _ = prepare(Q, D, q_mask, d_mask, pairs=True)
-    return _score("maxsim_pairs", Q, D, q_mask, d_mask, library.PAIRS, normalize=normalize, backward=backward,
+    return score("maxsim_pairs", Q, D, q_mask, d_mask, PAIRS, normalize=normalize, backward=backward,
                   mask_mode=mask_mode)
 
 
@@ -163,12 +168,10 @@ def maxsim_from_hidden(
         if t is not None and t.device != Q.device:
             raise ValueError(f"{name} is on {t.device} but Q on {Q.device}")
     d_mask = check_mask("d_mask", d_mask, tuple(H_d.shape[:2]), H_d)
-    if _reference_requested():
-        _routing.record("maxsim_from_hidden", "reference")
-        out = reference.maxsim_from_hidden(Q, H_d, W, b, d_mask, normalize=normalize)
-        out = out if out.dtype == torch.float64 else out.float()
+    if reference_requested("maxsim_from_hidden"):
+        out = score_tensor(reference.maxsim_from_hidden(Q, H_d, W, b, d_mask, normalize=normalize))
     else:
-        out = library.maxsim_hidden(Q, H_d, W, b, d_mask, normalize=bool(normalize), entry="maxsim_from_hidden")
+        out = autograd.hidden.maxsim_hidden(Q, H_d, W, b, d_mask, normalize=bool(normalize), entry="maxsim_from_hidden")
     return out.squeeze(0) if single else out
 
 
@@ -196,10 +199,7 @@ def retrieve(
     quantised once) and ``normalize`` must be off -- normalise before quantising
     (``quantize_int8(D, normalize=True)``).
     """
-    from .fp8 import Fp8Tokens
-    from .int8 import Int8Tokens
-
-    if isinstance(D, (Fp8Tokens, Int8Tokens)):
+    if isinstance(D, (quantized.Fp8Tokens, quantized.Int8Tokens)):
         return _retrieve_quantised(Q, D, top_k, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode,
                                    chunk=chunk, largest=largest)
     check_tensor("D", D, 3)
@@ -209,11 +209,11 @@ def retrieve(
     _routing.record("retrieve", served_by(Q))
     score_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
 
-    def score(start, stop, dm):
-        return _score("", Q, D[start:stop], q_mask, dm, library.CROSS, normalize=normalize, backward="auto",
-                      mask_mode=mask_mode)
+    def score_chunk(start, stop, dm):
+        return score("", Q, D[start:stop], q_mask, dm, CROSS, normalize=normalize, backward="auto",
+                     mask_mode=mask_mode)
 
-    return _running_top_k(score, Q.shape[0], D.shape[0], d_mask, top_k, chunk, largest, score_dtype, Q.device)
+    return _running_top_k(score_chunk, Q.shape[0], D.shape[0], d_mask, top_k, chunk, largest, score_dtype, Q.device)
 
 
 def _check_retrieve_args(top_k, chunk) -> None:
@@ -246,24 +246,22 @@ def _running_top_k(score, nq, nd, d_mask, top_k, chunk, largest, score_dtype, de
 def _retrieve_quantised(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, largest):
     """retrieve over an fp8 or int8 index: the query quantised once, every chunk scored by
     :func:`lik_plugins.maxsim_fp8` / :func:`lik_plugins.maxsim_int8`."""
-    from . import fp8, int8
-
-    kind, module = ("fp8", fp8) if isinstance(D, fp8.Fp8Tokens) else ("int8", int8)
-    maxsim_q = module.maxsim_fp8 if kind == "fp8" else module.maxsim_int8
+    fmt = quantized.format_of(D)
+    kind = fmt.kind
     _check_retrieve_args(top_k, chunk)
     if normalize:
         raise ValueError(f"retrieve over an {kind} index cannot normalise: quantise normalised tokens "
                          f"(quantize_{kind}(D, normalize=True)) and pass normalized queries")
     if D.values.dim() != 3:
         raise ValueError(f"retrieve needs an {kind} index [Nd, Ld, d], got shape {tuple(D.values.shape)}")
-    q = module.as_tokens("Q", Q, (3,))  # quantised once for every chunk
+    q = quantized.as_tokens(fmt, "Q", Q, (3,))  # quantised once for every chunk
     d_mask = check_mask("d_mask", d_mask, tuple(D.values.shape[:-1]), D)
     _routing.record("retrieve", served_by(q.values, kind))
 
-    def score(start, stop, dm):
-        return maxsim_q(q, D.select(slice(start, stop)), q_mask, dm, mask_mode=mask_mode)
+    def score_chunk(start, stop, dm):
+        return quantized.maxsim_quantized(fmt, q, D.select(slice(start, stop)), q_mask, dm, mask_mode)
 
-    return _running_top_k(score, q.values.shape[0], D.values.shape[0], d_mask, top_k, chunk, largest,
+    return _running_top_k(score_chunk, q.values.shape[0], D.values.shape[0], d_mask, top_k, chunk, largest,
                           torch.float32, q.device)
 
 
@@ -299,16 +297,15 @@ def smooth_maxsim(Q: torch.Tensor, D: torch.Tensor, *, tau: float, layout: str =
     if not (Q.is_floating_point() and D.is_floating_point()):
         raise TypeError("smooth_maxsim: Q and D must be floating point")
     out_dtype = torch.float64 if torch.float64 in (Q.dtype, D.dtype) else torch.float32
-    if _reference_requested():
-        _routing.record("smooth_maxsim", "reference")
+    if reference_requested("smooth_maxsim"):
         return reference.smooth_maxsim(Q.to(out_dtype), D.to(out_dtype), tau=tau, layout=_SMOOTH_LAYOUTS[layout_id])
     if Q.dtype != D.dtype:
         common = torch.promote_types(Q.dtype, D.dtype)
         Q, D = Q.to(common), D.to(common)
-    return library.smooth_maxsim(Q, D, tau=tau, layout=layout_id, entry="smooth_maxsim")
+    return autograd.smooth.smooth_maxsim(Q, D, tau=tau, layout=layout_id, entry="smooth_maxsim")
 
 
-_SMOOTH_LAYOUTS = {library.CROSS: "cross", library.CANDIDATES: "candidates", library.PAIRS: "pairs"}
+_SMOOTH_LAYOUTS = {CROSS: "cross", CANDIDATES: "candidates", PAIRS: "pairs"}
 
 
 def _smooth_layout(Q: torch.Tensor, D: torch.Tensor, layout: str) -> int:

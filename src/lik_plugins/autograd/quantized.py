@@ -1,0 +1,52 @@
+"""fp8 and int8 scores (``maxsim_fp8``, ``maxsim_int8``, ``retrieve`` over a quantised index):
+the registered ops, inference only (no autograd Function), and the quantisation of the
+public ``quantize_fp8``.
+
+``lik::maxsim_fp8``   fp8 (e4m3) scores
+``lik::maxsim_int8``  int8 scores (int32 products, per-token scales)
+
+A float query (``q_scales`` None) is quantised inside the op: inside the scoring kernel where
+that is cheaper, else by the path's quantiser (:mod:`lik_plugins.kernels.triton_ops`,
+:mod:`lik_plugins.kernels.torch_ops`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..kernels.dispatch import serve
+from .registry import registered
+
+__all__ = ["maxsim_fp8", "maxsim_int8", "quantize_fp8_tokens"]
+
+
+def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)``: e4m3 tokens of ``x`` on the path that serves it (unchecked: a
+    NaN/inf token quantises to NaN values).  The same bits on every path."""
+    return serve(x, "fp8").quantized.quantize_fp8(x)
+
+
+def _scores_fake(Q, q_scales, d_values, d_scales, q_mask, d_mask, zero_mode, entry):
+    n_docs = d_values.shape[0] if d_values.dim() == 3 else d_values.shape[1]
+    return Q.new_empty((Q.shape[0], n_docs), dtype=torch.float32)
+
+
+@registered("maxsim_fp8", _scores_fake)
+def maxsim_fp8(
+    Q: torch.Tensor, q_scales: Optional[torch.Tensor], d_values: torch.Tensor, d_scales: torch.Tensor,
+    q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor], zero_mode: bool, entry: str,
+) -> torch.Tensor:
+    """fp8 MaxSim: ``Q`` is e4m3 values with ``q_scales``, or float tokens (``q_scales`` None)."""
+    return serve(d_values, "fp8", entry).quantized.maxsim_fp8(Q, q_scales, d_values, d_scales, q_mask, d_mask,
+                                                              zero_mode=zero_mode)
+
+
+@registered("maxsim_int8", _scores_fake)
+def maxsim_int8(
+    Q: torch.Tensor, q_scales: Optional[torch.Tensor], d_values: torch.Tensor, d_scales: torch.Tensor,
+    q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor], zero_mode: bool, entry: str,
+) -> torch.Tensor:
+    """int8 MaxSim: ``Q`` is int8 values with ``q_scales``, or float tokens (``q_scales`` None)."""
+    return serve(d_values, "int8", entry).quantized.maxsim_int8(Q, q_scales, d_values, d_scales, q_mask, d_mask,
+                                                                zero_mode=zero_mode)
