@@ -1,8 +1,7 @@
 import os
 
-# The Triton kernels run under the CPU interpreter in CI; must be set before any kernel
-# module is imported (triton reads it when @triton.jit decorates).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET is tests/conftest.py's (CPU-only machines only): set here, it would put
+# every kernel imported later under the interpreter on a GPU machine too.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -1,11 +1,12 @@
 """PLAID search over a fast-plaid index: ``lik_plugins.plaid_search`` and PyLate's
 ``indexes.PLAID`` patched.
 
-fast-plaid cannot run in this environment (``fast_plaid_files.py`` says why), so the index
+fast-plaid cannot run in this environment (``tests/support/fast_plaid_files.py`` says why), so the index
 files are written in fast-plaid's layout by ``fast_plaid_files.write_index`` and the oracle
 is fast-plaid's algorithm in float64 (``search_float64``); PyLate's PLAID runs unmodified
 over a stand-in ``fast_plaid`` package with that interface.  Our search runs on the Triton
-kernels under the interpreter (``LIK_BACKEND=triton``).
+kernels under the interpreter (``LIK_BACKEND=triton``), and compiled on a CUDA device (marker
+``gpu``).  Only the PyLate tests need PyLate.
 
 Agreement with the oracle: fast-plaid rounds the centroid scores and the decompressed
 tokens to fp16, our kernel decompresses in fp32 and rounds to the queries' fp16; scores
@@ -20,13 +21,11 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("pylate")
+from lik_plugins import reset_routing_counts, routing_counts
+from lik_plugins import plaid_search as ps
 
-from lik_plugins import reset_routing_counts, routing_counts  # noqa: E402
-from lik_plugins import plaid_search as ps  # noqa: E402
-
-from support import fast_plaid_files  # noqa: E402
-from support.fast_plaid_files import search_float64, write_index  # noqa: E402
+from support import fast_plaid_files
+from support.fast_plaid_files import search_float64, write_index
 
 SCORE_TOL = 2e-2
 
@@ -121,6 +120,7 @@ def test_index_reloaded_when_rewritten(tmp_path, triton_backend):
 @pytest.fixture
 def pylate_plaid(tmp_path, monkeypatch):
     """PyLate's PLAID over the stand-in fast_plaid, documents encoded by the tiny offline ColBERT."""
+    pytest.importorskip("pylate")
     monkeypatch.syspath_prepend(fast_plaid_files.STUB_PATH)
     for name in [n for n in sys.modules if n == "fast_plaid" or n.startswith("fast_plaid.")
                  or n == "pylate.indexes.fast_plaid"]:
@@ -205,3 +205,25 @@ def test_pylate_plaid_patched(pylate_plaid, monkeypatch):
 
     unpatch_pylate()
     assert type(fast_plaid).search is original
+
+
+# --------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_search_on_cuda_matches_fast_plaids_algorithm(tmp_path):
+    """The compiled kernels at a realistic size (600 documents of 20-120 tokens, 256
+    centroids, 40 queries): the same agreement with the float64 oracle as above."""
+    g = torch.Generator().manual_seed(0)
+    topics = _unit(torch.randn(32, 8, 128, generator=g))
+    docs = []
+    for j in range(600):
+        n = int(torch.randint(20, 120, (1,), generator=g))
+        docs.append(_unit(topics[j % 32][torch.randint(0, 8, (n,), generator=g)] + 0.05 * torch.randn(n, 128, generator=g)))
+    write_index(str(tmp_path), docs, nbits=2, n_centroids=256)
+    queries = _unit(topics[torch.arange(40) % 32][:, torch.randint(0, 8, (32,), generator=g)]
+                    + 0.05 * torch.randn(40, 32, 128, generator=g))
+    index = ps.load_fast_plaid_index(str(tmp_path), "cuda")
+    scores, ids = ps.plaid_search(index, queries.cuda(), 10, n_ivf_probe=8, n_full_scores=400)
+    oracle = search_float64(str(tmp_path), queries, 10, 8, 400)
+    assert all(len(want) == 10 for want in oracle)
+    assert _agree(ids.tolist(), scores.tolist(), oracle) >= 36

@@ -1,26 +1,37 @@
 """The address-table kernel (``kernels.triton.listed``) on a GPU: candidates read in place
 (views of one buffer, separate tensors) and staged from the CPU, per-query pairs and the
-cross product, against the fp64 reference MaxSim with the hosts' zero-padding rule; addresses
-off 16 bytes are refused (the hosts then run their own code)."""
+cross product, against the fp64 reference MaxSim (``kernels.reference``) with the hosts'
+zero-padding rule; addresses off 16 bytes are refused (the hosts then run their own code).
+The hosts' list adapters run this kernel under the interpreter in tests/hosts."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+from lik_plugins.kernels import reference
 
-from lik_plugins.kernels.triton.listed import candidate_table, score_listed  # noqa: E402
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def _want(queries, docs, qidx, pad):
+    """fp64 reference scores of each candidate against its query; a padded candidate gets
+    one zero token (the hosts' padding, which takes part in the max)."""
     out = []
     for p, d in enumerate(docs):
         q, dd = queries[qidx[p]].double().cpu(), d.double().cpu()
         if pad[p]:
             dd = torch.cat([dd, dd.new_zeros(1, dd.shape[1])])
-        out.append((q @ dd.T).max(1).values.sum() if dd.shape[0] else torch.tensor(0.0, dtype=torch.float64))
+        out.append(reference.maxsim(q[None], dd[None])[0, 0])
     return torch.stack(out)
+
+
+def _listed():
+    from lik_plugins.kernels.triton.listed import candidate_table, score_listed
+
+    return candidate_table, score_listed
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -42,6 +53,7 @@ def test_listed_scores_match_the_reference(dtype, where, dim):
     queries = [torch.randn(n, dim, device="cuda", generator=g).to(dtype) for n in (32, 1, 200)]
     qidx = [p % 3 for p in range(len(docs))]
     pad = [p % 2 == 0 for p in range(len(docs))]
+    candidate_table, score_listed = _listed()
     table = candidate_table(docs, dtype, dim, torch.device("cuda"), extra=[q.shape[0] for q in queries])
     if where == "misaligned":
         assert isinstance(table, str) and "16 bytes" in table
@@ -64,6 +76,7 @@ def test_listed_cross_product_matches_the_reference(dtype):
     docs = list(torch.split(torch.randn(sum(lengths), 128, device="cuda", generator=g).to(dtype) - 0.05, lengths))
     queries = [torch.randn(n, 128, device="cuda", generator=g).to(dtype) for n in (20, 31, 1, 140, 7)]
     pad = [p % 2 == 1 for p in range(len(docs))]
+    candidate_table, score_listed = _listed()
     table = candidate_table(docs, dtype, 128, torch.device("cuda"), extra=[q.shape[0] for q in queries])
     cu_q = torch.zeros(len(queries) + 1, dtype=torch.int64, device="cuda")
     torch.cumsum(table.extra, 0, out=cu_q[1:])
