@@ -21,9 +21,8 @@ JIT path, with the reason.  Opt-in with ``LIK_SHIPPED_BINARIES=1``.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
-import textwrap
+import linecache
 import threading
 import types
 from pathlib import Path
@@ -57,7 +56,7 @@ def source_hash(kernel) -> str:
         if id(fn) in seen:
             return
         seen.add(id(fn))
-        digest.update(textwrap.dedent(inspect.getsource(fn)).encode())
+        digest.update(_source_text(fn.__code__).encode())
         names = _names(fn.__code__)
         scope = fn.__globals__
         for name in sorted(names):
@@ -81,6 +80,21 @@ def source_hash(kernel) -> str:
 
     visit(kernel)
     return digest.hexdigest()
+
+
+def _source_text(code) -> str:
+    """The function's lines in its file, decorators included: from its first line to the
+    last line its code (nested code too) runs (``inspect.getsource`` tokenises the whole
+    file for each function, which is most of the cost of a first launch's lookup)."""
+    last = max(line for c in _codes(code) for _, _, line in c.co_lines() if line is not None)
+    return "".join(linecache.getlines(code.co_filename)[code.co_firstlineno - 1:last])
+
+
+def _codes(code):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
 
 
 def _names(code) -> set:
