@@ -5,7 +5,7 @@ head (``maxsim_from_hidden``), served by the Triton kernels, against the float64
 
 Where the kernels build document tokens on chip (residuals, hidden states) they round
 them to the query's dtype before the product, as a float index would be stored
-(``lik_plugins.plaid.maxsim_residual``); the oracle rounds its tokens the same way, so
+(``lik_plugins.ops.plaid.maxsim_residual``); the oracle rounds its tokens the same way, so
 bf16 winners agree with it except near exact ties.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import lik_plugins as lik
-from lik_plugins import plaid
+from lik_plugins.ops import plaid
 from lik_plugins.kernels import reference
 from support.cuda_testlib import (
     BUILT_BF16_GRAD_L2, CUDA, DEVICE, SIZES, TOL, cuda_generator, fresh_routing_counts, rel_l2, served, weighted_grads,

@@ -59,16 +59,17 @@ def test_fp8_fused_query_quantisation_matches_the_two_launch_path(monkeypatch, s
     Q[0, 1, 2] = float("nan")
     qm[0, 1] = True
     index = lik.quantize_fp8(D)
-    from lik_plugins import fp8
+    from lik_plugins.kernels.triton import quantize
+    from lik_plugins.ops.quantized import FP8
 
-    # the public quantize_fp8 refuses a NaN token (an index must not hold one); its
+    # the public quantize_fp8 refuses a NaN token (an index must not hold one); the op's own
     # quantisation step keeps the token NaN, as the fused kernel does
-    two_launches = lik.maxsim_fp8(fp8._quantize(Q), index, qm, dm)
+    two_launches = lik.maxsim_fp8(FP8.tokens(*FP8.quantize(Q)), index, qm, dm)
 
     def no_separate_quantisation(x):
         raise AssertionError("the query was quantised outside the scoring kernel")
 
-    monkeypatch.setattr(fp8, "_quantize", no_separate_quantisation)
+    monkeypatch.setattr(quantize, "quantize_fp8", no_separate_quantisation)
     fused = lik.maxsim_fp8(Q, index, qm, dm)
     # query 0's NaN poisons its scores, except against the fully masked document 0 of
     # dense_inputs (no similarity is taken there: 0)
@@ -78,9 +79,9 @@ def test_fp8_fused_query_quantisation_matches_the_two_launch_path(monkeypatch, s
 
 @pytest.mark.parametrize("shape", [(1, 1000, 32, 300), (64, 512, 32, 256)], ids=["rerank", "search"])
 def test_fp8_fused_query_quantisation_on_tuned_shapes_meets_the_specification(monkeypatch, shape):
-    from lik_plugins import fp8
+    from lik_plugins.kernels import triton_ops
 
-    monkeypatch.setattr(fp8, "FUSED_QUANTISATION_ELEMENTS", 1 << 40)  # fuse the search shape too
+    monkeypatch.setattr(triton_ops, "FUSED_QUANTISATION_ELEMENTS", 1 << 40)  # fuse the search shape too
     nq, nj, lq, ld = shape
     Q, D, qm, dm = dense_inputs(nq, nj, lq, ld, 128, torch.bfloat16, False)
     index = lik.quantize_fp8(D)
