@@ -1,6 +1,8 @@
-"""The smooth max (colpali's ``use_smooth_max``): chunked torch path and the fused Triton
-kernel (under ``TRITON_INTERPRET=1`` on CPU) against the float64 reference, forward and
-gradients, all three layouts, zero-padded rows, odd sizes."""
+"""``smooth_maxsim`` (the op behind colpali's ``use_smooth_max``): chunked torch path and the
+fused Triton kernel (under ``TRITON_INTERPRET=1`` on CPU) against the float64 reference,
+forward and gradients, all three layouts, zero-padded rows, odd sizes.  The colpali heads
+that call it are tested in tests/hosts/colpali; its CUDA kernel under torch.compile in
+test_compile.py."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +10,7 @@ import torch
 
 from lik_plugins import smooth_maxsim
 from lik_plugins.kernels.reference import smooth_maxsim as smooth_maxsim_reference
-
-from support.colpali_helpers import env
+from support.maxsim_testlib import _triton_interpretable
 
 SHAPES = [
     # layout, Q shape, D shape
@@ -49,16 +50,18 @@ def _check(layout, qs, ds, dtype, tau, atol):
 
 @pytest.mark.parametrize("layout,qs,ds", SHAPES)
 @pytest.mark.parametrize("tau", [0.1, 0.02])
-def test_chunked_matches_reference(layout, qs, ds, tau):
-    with env(LIK_BACKEND="torch-chunked", LIK_CHUNK_ELEMENTS="97"):  # many tiny chunks
-        _check(layout, qs, ds, torch.float32, tau, atol=2e-5)
+def test_chunked_matches_reference(monkeypatch, layout, qs, ds, tau):
+    monkeypatch.setenv("LIK_BACKEND", "torch-chunked")
+    monkeypatch.setenv("LIK_CHUNK_ELEMENTS", "97")  # many tiny chunks
+    _check(layout, qs, ds, torch.float32, tau, atol=2e-5)
 
 
 @pytest.mark.parametrize("layout,qs,ds", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matches_reference(layout, qs, ds, dtype):
-    with env(LIK_BACKEND="triton", TRITON_INTERPRET="1"):
-        _check(layout, qs, ds, dtype, 0.1, atol=2e-5 if dtype == torch.float32 else 2e-2)
+@pytest.mark.skipif(not _triton_interpretable(), reason="needs triton and TRITON_INTERPRET=1")
+def test_triton_matches_reference(monkeypatch, layout, qs, ds, dtype):
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    _check(layout, qs, ds, dtype, 0.1, atol=2e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_fp64_is_an_oracle_and_gradients_only_where_required():
@@ -96,8 +99,8 @@ def test_wide_embeddings_go_to_the_chunked_path(monkeypatch):
 
     monkeypatch.delenv("LIK_BACKEND", raising=False)
     # a CUDA-like tensor the Triton kernels serve: only the embedding width decides
-    monkeypatch.setattr(dispatch, "_triton_serves", lambda t, op: (True, ""))
-    cuda_like = type("CudaLike", (), {"is_cuda": True, "shape": None})
+    monkeypatch.setattr(dispatch, "_triton_refuses", lambda t, op, asked: "")
+    cuda_like = type("CudaLike", (), {"is_cuda": True, "shape": None, "device": torch.device("cuda")})
     for width, path in ((128, "triton"), (300, "torch-chunked")):
         t = cuda_like()
         t.shape = (2, 3, width)
