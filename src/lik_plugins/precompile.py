@@ -270,7 +270,7 @@ def ship_part(todo: list[tuple], arch: str, out_root: str, part_file: str) -> No
     Path(part_file).write_text(json.dumps(entries))
 
 
-def ship(todo: list[tuple], arch: str, out_root: str, parts: list[str]) -> str:
+def ship(todo: list[tuple], arch: str, out_root: str, parts: list[str], workload: dict) -> str:
     """Merge the processes' entries into the manifest; a line saying what was written."""
     import json
     from pathlib import Path
@@ -281,7 +281,7 @@ def ship(todo: list[tuple], arch: str, out_root: str, parts: list[str]) -> str:
     for part in parts:
         entries.update(json.loads(Path(part).read_text()))
     out_dir = Path(out_root) / arch
-    binaries_build.write_manifest(todo, entries, arch, out_dir)
+    binaries_build.write_manifest(todo, entries, arch, out_dir, workload)
     return f"shipped {len(entries)} binaries in {out_dir} ({binaries_build.folder_bytes(out_dir) / 2**20:.1f} MiB)"
 
 
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
         print(f"{len(todo)} variants for {arch} in {time.perf_counter() - t0:.1f} s ({jobs} processes)"
               + (f"; {failed} failed" if failed else ""))
         if args.ship and not failed:
-            print(ship(todo, arch, out_root, parts))
+            print(ship(todo, arch, out_root, parts, {"hosts": args.hosts, "dtypes": args.dtypes, "dims": args.dims}))
     return 1 if failed else 0
 
 

@@ -295,6 +295,9 @@ def test_the_environment_switch_is_off_unless_set(monkeypatch):
     assert not shipped_binaries_enabled()
 
 
+_REBUILD = "rebuild them: python -m lik_plugins.precompile --ship --arch {arch} --dtypes bf16 fp32"
+
+
 def test_shipped_manifests_in_the_package_match_the_kernels():
     """Binaries committed with the package must be built from the kernels' current source:
     a kernel edited without ``precompile --ship`` would serve its launches through the JIT."""
@@ -307,9 +310,34 @@ def test_shipped_manifests_in_the_package_match_the_kernels():
     for path in manifests:
         manifest = json.loads(path.read_text())
         for name, digest in manifest["kernels"].items():
-            assert loader.source_hash(kernels[name]) == digest, f"{path.parent.name}: {name} changed since the build"
+            assert loader.source_hash(kernels[name]) == digest, \
+                f"{path.parent.name}: {name} changed since the build; " + _REBUILD.format(arch=manifest["arch"])
         files = {e["file"] for e in manifest["variants"].values()}
         assert files == {p.name for p in path.parent.glob("*.cubin")}
+
+
+def test_shipped_manifests_hold_the_variants_the_launchers_reach_now():
+    """The launchers' choices (configs, blockings, argument specialisation) decide the keys:
+    the variants precompile lists today for the build's workload are the ones shipped."""
+    from lik_plugins.kernels.triton import binaries_loader as loader
+
+    manifests = sorted(loader.BINARIES_DIR.glob("*/manifest.json"))
+    if not manifests:
+        pytest.skip("no binaries shipped in this checkout")
+    for path in manifests:
+        manifest = json.loads(path.read_text())
+        work = manifest["workload"]
+        code = ("import json, torch; from lik_plugins import precompile as p; "
+                "from lik_plugins.kernels.triton import binaries_loader as b, direct; "
+                f"todo = p.variants({work['hosts']!r}, [p.DTYPES[d] for d in {work['dtypes']!r}], {work['dims']!r}, "
+                f"{manifest['arch']!r}); print(json.dumps(sorted(b.variant_key(direct.variant(*v)) for v in todo)))")
+        done = subprocess.run([sys.executable, "-c", code], env=_compile_env(), capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        now = set(json.loads(done.stdout))
+        assert now == set(manifest["variants"]), (
+            f"{manifest['arch']}: {len(now - set(manifest['variants']))} variants not shipped, "
+            f"{len(set(manifest['variants']) - now)} no longer reached; " + _REBUILD.format(arch=manifest["arch"]))
 
 
 def _package_kernels() -> dict:

@@ -89,8 +89,10 @@ def ptxas_release() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def write_manifest(todo: list[tuple], entries: dict, arch: str, out_dir: Path) -> dict:
-    """``out_dir/manifest.json`` for the merged ``entries``; cubins no entry names are removed."""
+def write_manifest(todo: list[tuple], entries: dict, arch: str, out_dir: Path, workload: dict | None = None) -> dict:
+    """``out_dir/manifest.json`` for the merged ``entries``; cubins no entry names are removed.
+    ``workload``: the precompile arguments the variants came from (hosts, dtypes, dims), so
+    a check can list them again and compare."""
     import triton
     import torch
 
@@ -101,7 +103,7 @@ def write_manifest(todo: list[tuple], entries: dict, arch: str, out_dir: Path) -
         kernels.setdefault(direct._kernel_name(kernel), source_hash(kernel))
     major, minor = ptxas_release()
     manifest = {
-        "format": FORMAT, "arch": arch,
+        "format": FORMAT, "arch": arch, "workload": workload or {},
         "built_with": {"triton": triton.__version__, "torch": torch.__version__, "ptxas": f"{major}.{minor}"},
         # a cubin needs a driver of its ptxas' major CUDA release or newer (minor-version compatibility)
         "cuda_driver": major * 1000,
