@@ -100,12 +100,18 @@ class Phases:
                 phases.local.launch = outer
                 phases.launches.append(record)
 
-        direct.launch = launch
         # the launchers imported ``launch`` by name: rebind it where they hold it
-        for module in list(sys.modules.values()):
-            name = getattr(module, "__name__", "")
-            if name.startswith("lik_plugins.") and getattr(module, "launch", None) is original:
-                module.launch = launch
+        holders = [module for module in list(sys.modules.values())
+                   if getattr(module, "__name__", "").startswith("lik_plugins.")
+                   and getattr(module, "launch", None) is original]
+        for module in holders:
+            module.launch = launch
+
+        def unwrap():
+            for module in holders:
+                module.launch = original
+
+        self.unwrap_launch = unwrap
 
 
 def _instrument(phases: Phases) -> None:
