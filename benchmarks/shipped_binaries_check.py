@@ -139,12 +139,60 @@ def _compare(out: str, modes) -> dict:
     return report
 
 
+def stub_host_cost(repeat: int) -> dict:
+    """Per-launch host cost of every shipped variant's ``ShippedKernel`` call, on the CPU:
+    the driver is ``tests/kernels/fake_libcuda.c`` built with the C compiler (its
+    ``cuLaunchKernel`` returns at once), so what is timed is the Python side -- packing the
+    arguments and the foreign call -- with each variant's real parameter layout."""
+    import ctypes
+    import statistics
+    import tempfile
+
+    import torch
+
+    from lik_plugins.kernels.triton import binaries_cuda as cuda
+    from lik_plugins.kernels.triton import binaries_loader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = os.path.join(tmp, "libcuda_stub.so")
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", os.path.join(ROOT, "tests", "kernels", "fake_libcuda.c"),
+                        "-o", so], check=True)
+        driver = cuda.Driver(ctypes.CDLL(so))
+    tensor = torch.zeros(16)
+    per_kernel: dict = {}
+    for manifest_path in sorted(binaries_loader.BINARIES_DIR.glob("*/manifest.json")):
+        manifest = json.loads(open(manifest_path).read())
+        for entry in manifest["variants"].values():
+            codes = entry["params"]
+            args = tuple(tensor if c == cuda.POINTER else 1.5 if c == cuda.FLOAT32 else 1 if c == cuda.DROPPED else 7
+                         for c in codes)
+            kernel = cuda.ShippedKernel(entry["function"], driver, 0x3000, entry["num_warps"], entry["shared"],
+                                        cuda.LaunchLayout(codes), 0)
+            for _ in range(100):
+                kernel((8, 1, 1), 0, args)
+            t = time.perf_counter()
+            for _ in range(repeat):
+                kernel((8, 1, 1), 0, args)
+            per_kernel.setdefault(entry["kernel"], []).append((time.perf_counter() - t) / repeat * 1e6)
+    t = time.perf_counter()
+    for _ in range(repeat):
+        tensor.data_ptr()
+    data_ptr_us = (time.perf_counter() - t) / repeat * 1e6
+    return {"launch_us_median_per_kernel": {k: round(statistics.median(v), 2) for k, v in per_kernel.items()},
+            "tensor_data_ptr_us": round(data_ptr_us, 3)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("out")
+    p.add_argument("out", nargs="?")
     p.add_argument("--repeat", type=int, default=2000)
+    p.add_argument("--stub-host-cost", action="store_true",
+                   help="no GPU: time each shipped variant's launch call against a stand-in libcuda, print JSON")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.stub_host_cost:
+        print(json.dumps(stub_host_cost(args.repeat), indent=1))
+        return 0
     os.makedirs(args.out, exist_ok=True)
     if args.child:
         child(args.child, args.out, args.repeat)

@@ -246,3 +246,9 @@ def test_a_shipped_binary_serves_the_plan_without_the_jit(monkeypatch):
     direct.clear()
     direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16})
     assert len(asked) == 2 and len(launched) == 3 and len(jit) == 1
+    # on, but no binary for this launch (another GPU, no driver, a variant not shipped): the JIT
+    monkeypatch.setenv("LIK_SHIPPED_BINARIES", "1")
+    monkeypatch.setattr(binaries_loader, "find", lambda k, needed, device: asked.append(needed))
+    direct.clear()
+    direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16})
+    assert len(asked) == 3 and len(launched) == 3 and len(jit) == 2
