@@ -98,11 +98,7 @@ def _codes(code):
 
 
 def _names(code) -> set:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
+    return set().union(*(c.co_names for c in _codes(code)))
 
 
 def _kernel_hash(kernel) -> str:
@@ -112,9 +108,10 @@ def _kernel_hash(kernel) -> str:
     return value
 
 
-def read_manifest(arch: str, root: Path = BINARIES_DIR) -> dict:
-    """``binaries/<arch>/manifest.json``, checked for its format."""
-    path = root / arch / "manifest.json"
+def read_manifest(arch: str, root: Path | None = None) -> dict:
+    """``binaries/<arch>/manifest.json`` (under ``root``, default the package's), checked
+    for its format."""
+    path = (root or BINARIES_DIR) / arch / "manifest.json"
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: format {manifest.get('format')!r}, this loader reads {FORMAT}")
