@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
 from support.maxsim_testlib import (
-    LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, generator, make_inputs, op, rel_err,
-    noncontiguous_inputs, tied_inputs,
+    LAYOUTS, MASK_MODES, check_against_reference, check_nan_query_poisons_only_its_scores,
+    check_nonfinite_masked_tokens_are_ignored, check_property_case, expected_argmax, generator, make_inputs, op,
+    property_cases, rel_err, noncontiguous_inputs, tied_inputs,
 )
 
 SHAPES = {
@@ -207,54 +208,24 @@ def test_chunk_budget_does_not_change_results(gen, monkeypatch):
 
 
 def test_nan_in_query_propagates_without_crash(gen):
-    Q, D, qm, dm = make_inputs(gen, "cross", 3, 4, 5, 9, 16, special_rows=False)
-    qm[0, 1] = True
-    Q[0, 1, 3] = float("nan")
-    Q.requires_grad_()
-    out = lik.maxsim(Q, D, qm, dm)
-    assert torch.isnan(out[0]).all()
-    ref = reference.maxsim(Q.detach().double(), D.double(), qm, dm)
-    assert rel_err(out[1:], ref[1:]) < 2e-5
-    out.sum().backward()
-    assert torch.isfinite(Q.grad[1:]).all()
+    check_nan_query_poisons_only_its_scores(gen)
 
 
 def test_nonfinite_masked_tokens_are_ignored(gen):
-    Q, D, qm, dm = make_inputs(gen, "cross", 2, 3, 5, 9, 16, special_rows=False)
-    qm[0, 2] = False
-    dm[1, 4] = False
-    ref = reference.maxsim(Q.double(), D.double(), qm, dm)
-    Q[0, 2] = float("nan")
-    D[1, 4] = float("inf")
-    for mode in MASK_MODES:
-        assert torch.isfinite(lik.maxsim(Q, D, qm, dm, mask_mode=mode)).all()
-    assert rel_err(lik.maxsim(Q, D, qm, dm), ref) < 2e-5
+    check_nonfinite_masked_tokens_are_ignored(gen)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    layout=st.sampled_from(LAYOUTS),
-    nq=st.integers(1, 4),
-    nj=st.integers(1, 4),
-    lq=st.integers(1, 12),
-    ld=st.integers(1, 30),
-    d=st.sampled_from([3, 16, 40, 96]),
-    mask_mode=st.sampled_from(MASK_MODES),
-    normalize=st.booleans(),
-    masks=st.booleans(),
-    budget=st.sampled_from([None, 1, 50, 400]),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_property_matches_reference(layout, nq, nj, lq, ld, d, mask_mode, normalize, masks, budget, seed):
+@given(case=property_cases(max_n=4, max_lq=12, max_ld=30, dims=[3, 16, 40, 96]),
+       budget=st.sampled_from([None, 1, 50, 400]))
+def test_property_matches_reference(case, budget):
     import os
 
-    gen = generator(seed)
     old = os.environ.pop("LIK_CHUNK_ELEMENTS", None)
     if budget is not None:
         os.environ["LIK_CHUNK_ELEMENTS"] = str(budget)
     try:
-        Q, D, qm, dm = make_inputs(gen, layout, nq, nj, lq, ld, d, masks=masks)
-        check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=normalize, mask_mode=mask_mode)
+        check_property_case(case)
     finally:
         os.environ.pop("LIK_CHUNK_ELEMENTS", None)
         if old is not None:

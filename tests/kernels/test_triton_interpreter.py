@@ -19,8 +19,9 @@ import lik_plugins as lik
 from lik_plugins._config import triton_interpret
 from lik_plugins.kernels import dispatch, reference
 from support.maxsim_testlib import (
-    LAYOUTS, MASK_MODES, check_against_reference, expected_argmax, force_forward_block_n, generator, make_inputs, op,
-    rel_err, noncontiguous_inputs, tied_inputs,
+    LAYOUTS, MASK_MODES, check_against_reference, check_nan_query_poisons_only_its_scores,
+    check_nonfinite_masked_tokens_are_ignored, check_property_case, expected_argmax, force_forward_block_n, generator,
+    make_inputs, op, property_cases, rel_err, noncontiguous_inputs, tied_inputs,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -244,24 +245,10 @@ settings_small = settings(max_examples=8, deadline=None, derandomize=False,
 
 
 @settings_small
-@given(
-    layout=st.sampled_from(LAYOUTS),
-    nq=st.integers(1, 3),
-    nj=st.integers(1, 3),
-    lq=st.integers(1, 9),
-    ld=st.integers(1, 20),
-    d=st.sampled_from([3, 16, 40, 64]),
-    mask_mode=st.sampled_from(MASK_MODES),
-    normalize=st.booleans(),
-    masks=st.booleans(),
-    backward=st.sampled_from(["lowmem", "unified"]),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_property_matches_reference(layout, nq, nj, lq, ld, d, mask_mode, normalize, masks, backward, seed):
-    gen = generator(seed)
-    Q, D, qm, dm = make_inputs(gen, layout, nq, nj, lq, ld, d, masks=masks)
-    check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=normalize, mask_mode=mask_mode,
-                            backward=backward)
+@given(case=property_cases(max_n=3, max_lq=9, max_ld=20, dims=[3, 16, 40, 64]),
+       backward=st.sampled_from(["lowmem", "unified"]))
+def test_property_matches_reference(case, backward):
+    check_property_case(case, backward=backward)
 
 
 @pytest.mark.parametrize("layout", ["cross", "kd"])
@@ -320,32 +307,13 @@ def test_saved_argmax_and_sentinel(gen, layout, mask_mode):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_nan_in_query_propagates_without_crash(gen, argmax_epilogue):
-    Q, D, qm, dm = make_inputs(gen, "cross", 3, 4, 5, 9, 16, special_rows=False)
-    qm[0, 1] = True
-    Q[0, 1, 3] = float("nan")
-    Q.requires_grad_()
-    out = lik.maxsim(Q, D, qm, dm)
-    assert torch.isnan(out[0]).all()
-    ref = reference.maxsim(Q.detach().double(), D.double(), qm, dm)
-    assert rel_err(out[1:], ref[1:]) < 2e-5
-    out.sum().backward()  # no crash
-    assert torch.isfinite(Q.grad[1:]).all()
+def test_nan_in_query_propagates_without_crash(gen):
+    check_nan_query_poisons_only_its_scores(gen)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_nonfinite_masked_tokens_are_ignored(gen):
-    """NaN / inf in masked tokens (query or document) never reach a score."""
-    Q, D, qm, dm = make_inputs(gen, "cross", 2, 3, 5, 9, 16, special_rows=False)
-    qm[0, 2] = False
-    dm[1, 4] = False
-    ref = reference.maxsim(Q.double(), D.double(), qm, dm)
-    Q[0, 2] = float("nan")
-    D[1, 4] = float("inf")
-    for mode in MASK_MODES:
-        out = lik.maxsim(Q, D, qm, dm, mask_mode=mode)
-        assert torch.isfinite(out).all()
-    assert rel_err(lik.maxsim(Q, D, qm, dm), ref) < 2e-5
+    check_nonfinite_masked_tokens_are_ignored(gen)
 
 
 def test_float64_is_refused_with_a_reason(gen):
@@ -356,7 +324,7 @@ def test_float64_is_refused_with_a_reason(gen):
 
 @pytest.mark.parametrize("backward", ["lowmem", "unified"])
 @pytest.mark.parametrize("layout", ["cross", "kd"])
-def test_exact_ties_go_to_the_lowest_index(gen, layout, backward, argmax_epilogue, lowmem_rows):
+def test_exact_ties_go_to_the_lowest_index(gen, layout, backward, lowmem_rows):
     """Token 3 of document 0 is copied to 67 (same column of the next BLOCK_N=64 tile) and
     to 10 (same tile): the argmax and the gradient must pick token 3."""
     from lik_plugins.kernels.triton import launch

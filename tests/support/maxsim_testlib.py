@@ -232,6 +232,59 @@ def expected_argmax(Q, D, qm, dm, layout, mask_mode):
     return torch.where(ok, win, torch.full_like(win, -1))
 
 
+def property_cases(*, max_n: int, max_lq: int, max_ld: int, dims: list[int]):
+    """A hypothesis strategy of random property-test cases for :func:`check_property_case`:
+    layout, counts up to ``max_n``, lengths, width from ``dims``, mask mode, normalisation,
+    masks or none, and the seed of the inputs."""
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries(dict(
+        layout=st.sampled_from(LAYOUTS), nq=st.integers(1, max_n), nj=st.integers(1, max_n),
+        lq=st.integers(1, max_lq), ld=st.integers(1, max_ld), d=st.sampled_from(dims),
+        mask_mode=st.sampled_from(MASK_MODES), normalize=st.booleans(), masks=st.booleans(),
+        seed=st.integers(0, 2**31 - 1),
+    ))
+
+
+def check_property_case(case: dict, **kw) -> None:
+    """One :func:`property_cases` case through :func:`check_against_reference` (``kw``: its
+    ``backward``, for one)."""
+    gen = generator(case["seed"])
+    layout = case["layout"]
+    Q, D, qm, dm = make_inputs(gen, layout, case["nq"], case["nj"], case["lq"], case["ld"], case["d"],
+                               masks=case["masks"])
+    check_against_reference(layout, Q, D, qm, dm, gen=gen, normalize=case["normalize"],
+                            mask_mode=case["mask_mode"], **kw)
+
+
+def check_nan_query_poisons_only_its_scores(gen) -> None:
+    """A NaN in a valid query token: that query's scores are NaN, the others equal the
+    reference, and the backward runs with finite gradients for the other queries."""
+    Q, D, qm, dm = make_inputs(gen, "cross", 3, 4, 5, 9, 16, special_rows=False)
+    qm[0, 1] = True
+    Q[0, 1, 3] = float("nan")
+    Q.requires_grad_()
+    out = lik.maxsim(Q, D, qm, dm)
+    assert torch.isnan(out[0]).all()
+    ref = reference.maxsim(Q.detach().double(), D.double(), qm, dm)
+    assert rel_err(out[1:], ref[1:]) < 2e-5
+    out.sum().backward()  # no crash
+    assert torch.isfinite(Q.grad[1:]).all()
+
+
+def check_nonfinite_masked_tokens_are_ignored(gen) -> None:
+    """NaN / inf in masked tokens (query or document) never reach a score."""
+    Q, D, qm, dm = make_inputs(gen, "cross", 2, 3, 5, 9, 16, special_rows=False)
+    qm[0, 2] = False
+    dm[1, 4] = False
+    ref = reference.maxsim(Q.double(), D.double(), qm, dm)
+    Q[0, 2] = float("nan")
+    D[1, 4] = float("inf")
+    for mode in MASK_MODES:
+        assert torch.isfinite(lik.maxsim(Q, D, qm, dm, mask_mode=mode)).all()
+    assert rel_err(lik.maxsim(Q, D, qm, dm), ref) < 2e-5
+
+
 def _triton_interpretable() -> bool:
     from lik_plugins._config import triton_interpret
     from lik_plugins.kernels import dispatch
