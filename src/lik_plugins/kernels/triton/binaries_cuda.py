@@ -187,7 +187,7 @@ class Driver:
         sizes, offset, size = [], ctypes.c_size_t(), ctypes.c_size_t()
         while self._param_info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size)) == CUDA_SUCCESS:
             sizes.append(size.value)
-        return sizes
+        return sizes or None        # none at all: a binary without parameter records, not a mismatch
 
     def relaunch(self, code: int, function: int, grid: tuple[int, int, int], threads: int, shared: int, stream: int,
                  params, ordinal: int) -> None:
