@@ -3,7 +3,7 @@ residual rerank, against exact bf16 scoring -- on the recipes' offline retrieval
 
 Encodes the standard-library docstring pairs as ``recipes/fp8_fidelity.py`` does (or loads
 its ``--save-embeddings`` file), fits centroids with fastkmeans, compresses every passage
-token into ColBERTv2's residual format (``lik_plugins.plaid.compress``, nbits 2 and 4),
+token into ColBERTv2's residual format (``lik_plugins.ops.plaid.compress``, nbits 2 and 4),
 then for every query: ``plaid_approx_score`` over all passages -> the ``--candidates`` best
 -> ``maxsim_residual`` over those, straight from the codes and residual bits.
 

@@ -106,7 +106,7 @@ def exact_top(docs, queries, k: int, device: str):
 def float64_order(index, queries, lists_a, lists_b, k: int):
     """Per query, the top-``k`` of the two lists' union rescored in float64 exactly as fast-plaid
     scores (its fp16 queries, unnormalised; decompressed tokens normalised), from the index's
-    stored codes and residuals (``lik_plugins.plaid.decompress``, the reference decompression)."""
+    stored codes and residuals (``lik_plugins.ops.plaid.decompress``, the reference decompression)."""
     import torch
 
     from lik_plugins.ops import plaid

@@ -18,7 +18,7 @@ def record(entry: str, path: str) -> None:
     """Count one call of ``entry`` served by ``path`` (one of :data:`PATHS`).
 
     While ``torch.compile`` traces a function nothing is counted here: the registered ops
-    count their calls when they run (``lik_plugins.library``), so a compiled function's
+    count their calls when they run (``lik_plugins.autograd``), so a compiled function's
     op entries (``maxsim``, ``maxsim_pairs``, ...) are counted on every call, and the host
     adapters' entries only in eager code."""
     if _compiling():

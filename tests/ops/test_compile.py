@@ -60,23 +60,9 @@ def _run(fn, inputs):
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "default"])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("backend", ["torch-chunked", "triton"])
-def test_compiled_equals_eager(monkeypatch, case, fullgraph, backend):
-    from lik_plugins._config import triton_interpret
-
-    if backend == "triton" and not triton_interpret():
-        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
-    monkeypatch.setenv("LIK_BACKEND", backend)
+def test_compiled_equals_eager(check_compiled, case, fullgraph):
     fn, kd = CASES[case]
-    inputs = _inputs(hash(case) % 1000, kd=kd)
-    lik.reset_routing_counts()
-    compiled = _run(torch.compile(fn, fullgraph=fullgraph, dynamic=False), inputs)
-    counts = lik.routing_counts()
-    eager = _run(fn, inputs)
-    for got, want in zip(compiled, eager):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    # the compiled call ran our op, on the path the environment asks for
-    assert any(backend in paths for paths in counts.values()), counts
+    check_compiled(_run, fn, _inputs(hash(case) % 1000, kd=kd), fullgraph)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -156,15 +142,10 @@ def _compressed_inputs(seed):
     return (index.codes.view(5, 9), index.residuals.view(5, 9, -1), lengths, centroids, index.bucket_weights)
 
 
-@pytest.mark.parametrize("backend", ["torch-chunked", "triton"])
-def test_compiled_compressed_ops_equal_eager(monkeypatch, backend):
+@pytest.mark.usefixtures("compile_backend")
+def test_compiled_compressed_ops_equal_eager():
     """maxsim_residual (grad into Q), maxsim_from_hidden (grads into Q, H, W, b) and
     maxsim_int8 under torch.compile(fullgraph=True): values and gradients equal eager."""
-    from lik_plugins._config import triton_interpret
-
-    if backend == "triton" and not triton_interpret():
-        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
-    monkeypatch.setenv("LIK_BACKEND", backend)
     codes, residuals, lengths, centroids, weights = _compressed_inputs(4)
     g = torch.Generator().manual_seed(6)
     Q = torch.randn(3, 4, 16, generator=g, requires_grad=True)
@@ -227,63 +208,6 @@ def test_fake_kernels_of_the_compressed_ops():
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-
-
-# ------------------------------------------------------------------ CUDA (marker gpu)
-# fullgraph, default and ``reduce-overhead`` (CUDA graphs) on the compiled Triton kernels:
-# values and gradients equal eager, no graph break.
-
-
-def _cuda_inputs(seed, kd=False):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    Q = F.normalize(torch.randn(32, 24, 128, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
-    shape = (32, 4, 180, 128) if kd else (48, 180, 128)
-    D = F.normalize(torch.randn(*shape, device="cuda", generator=g), dim=-1).bfloat16().requires_grad_()
-    dm = torch.rand(*shape[:-1], device="cuda", generator=g) > 0.2
-    return Q, D, dm
-
-
-def _cuda_cross(Q, D, dm):
-    return F.cross_entropy(lik.maxsim(Q, D, None, dm)[:, :32] / 0.05, torch.arange(32, device="cuda"))
-
-
-def _cuda_kd(Q, D, dm):
-    return F.log_softmax(lik.maxsim(Q, D, None, dm, mask_mode="zero"), -1)[:, 0].mean()
-
-
-def _cuda_smooth(Q, D, dm):
-    return lik.smooth_maxsim(Q, D * dm.unsqueeze(-1), tau=0.1).logsumexp(-1).mean()
-
-
-CUDA_LOSSES = [pytest.param(_cuda_cross, id="cross"), pytest.param(_cuda_kd, id="kd"),
-               pytest.param(_cuda_smooth, id="smooth")]
-
-
-@pytest.mark.parametrize("mode", ["fullgraph", "default", "reduce-overhead"])
-@pytest.mark.parametrize("fn", CUDA_LOSSES)
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_compiled_equals_eager_on_cuda(mode, fn):
-    kd = fn is _cuda_kd
-    compiled = torch.compile(fn, fullgraph=mode == "fullgraph", mode="reduce-overhead" if mode == "reduce-overhead" else None)
-    lik.reset_routing_counts()
-    for seed in range(3):   # reduce-overhead: warm-up, recording, then a replay
-        Q, D, dm = _cuda_inputs(seed, kd)
-        loss = compiled(Q, D, dm)
-        got = (loss.detach().clone(), *[g.clone() for g in torch.autograd.grad(loss, (Q, D))])
-        eager = fn(Q, D, dm)
-        want = (eager.detach(), *torch.autograd.grad(eager, (Q, D)))
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
-    assert any("triton" in paths for paths in lik.routing_counts().values())
-
-
-@pytest.mark.parametrize("fn", CUDA_LOSSES)
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_no_graph_break_on_cuda(fn):
-    explained = torch._dynamo.explain(fn)(*_cuda_inputs(7, fn is _cuda_kd))
-    assert explained.graph_break_count == 0, explained.break_reasons
 
 
 # ------------------------------------------------------------------ CUDA (marker gpu)

@@ -83,15 +83,22 @@ def test_invalid_chunk(chunk):
         lik.retrieve(torch.randn(2, 4, 8), torch.randn(5, 6, 8), 2, chunk=chunk)
 
 
-def test_retrieve_computes_no_gradient(gen, monkeypatch):
+def _spy_on_save_argmax(monkeypatch, module) -> list:
+    """The ``save_argmax`` of every ``module.forward`` call from now on (whether a forward
+    kept the winners for a backward)."""
     seen = []
-    real = chunked.forward
+    real = module.forward
 
     def spy(*args, **kwargs):
         seen.append(kwargs["save_argmax"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(chunked, "forward", spy)
+    monkeypatch.setattr(module, "forward", spy)
+    return seen
+
+
+def test_retrieve_computes_no_gradient(gen, monkeypatch):
+    seen = _spy_on_save_argmax(monkeypatch, chunked)
     Q, D, _, _ = make_inputs(gen, "cross", 2, 6, 4, 6, 16)
     Q.requires_grad_()
     D.requires_grad_()
@@ -144,14 +151,7 @@ def test_scorer_respects_no_grad(gen, monkeypatch, backend):
         from lik_plugins.kernels.triton import launch as module
     else:
         module = chunked
-    seen = []
-    real = module.forward
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["save_argmax"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, "forward", spy)
+    seen = _spy_on_save_argmax(monkeypatch, module)
     scorer = lik.MaxSimScorer()
     Q, D, qm, dm = make_inputs(gen, "cross", 2, 2, 4, 6, 16)
     Q.requires_grad_()

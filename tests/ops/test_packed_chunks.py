@@ -15,7 +15,6 @@ few hundred pairs.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -37,22 +36,15 @@ needs_interpreter = pytest.mark.skipif(not _triton_interpretable(), reason="need
 
 @contextlib.contextmanager
 def _env(**values):
-    """Set LIK_* variables for one hypothesis example (function-scoped fixtures would not
-    reset between examples)."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
+    """Set LIK_* variables (None: unset) for one hypothesis example (function-scoped fixtures
+    would not reset between examples)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in values.items():
+            if value is None:
+                patch.delenv(name, raising=False)
             else:
-                os.environ[k] = str(v)
+                patch.setenv(name, str(value))
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _lengths(gen, n: int, longest: int) -> list[int]:

@@ -46,22 +46,8 @@ def _run(fn, inputs):
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "default"])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("backend", ["torch-chunked", "triton"])
-def test_compiled_equals_eager(monkeypatch, case, fullgraph, backend):
-    from lik_plugins._config import triton_interpret
-
-    if backend == "triton" and not triton_interpret():
-        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
-    monkeypatch.setenv("LIK_BACKEND", backend)
-    fn = CASES[case]
-    inputs = _inputs(len(case))
-    lik.reset_routing_counts()
-    compiled = _run(torch.compile(fn, fullgraph=fullgraph, dynamic=False), inputs)
-    counts = lik.routing_counts()
-    eager = _run(fn, inputs)
-    for got, want in zip(compiled, eager):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert any(backend in paths for paths in counts.values()), counts
+def test_compiled_equals_eager(check_compiled, case, fullgraph):
+    check_compiled(_run, CASES[case], _inputs(len(case)), fullgraph)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -32,21 +32,23 @@ def _scores_fake(Q, q_scales, d_values, d_scales, q_mask, d_mask, zero_mode, ent
     return Q.new_empty((Q.shape[0], n_docs), dtype=torch.float32)
 
 
-@registered("maxsim_fp8", _scores_fake)
-def maxsim_fp8(
-    Q: torch.Tensor, q_scales: Optional[torch.Tensor], d_values: torch.Tensor, d_scales: torch.Tensor,
-    q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor], zero_mode: bool, entry: str,
-) -> torch.Tensor:
-    """fp8 MaxSim: ``Q`` is e4m3 values with ``q_scales``, or float tokens (``q_scales`` None)."""
-    return serve(d_values, "fp8", entry).quantized.maxsim_fp8(Q, q_scales, d_values, d_scales, q_mask, d_mask,
-                                                              zero_mode=zero_mode)
+def _register_scores(kind: str, doc: str):
+    """Register ``lik::maxsim_<kind>``: the two formats' ops differ only in their name, the
+    dispatcher's op and the launcher they call."""
+    launcher = f"maxsim_{kind}"
+
+    def scores(
+        Q: torch.Tensor, q_scales: Optional[torch.Tensor], d_values: torch.Tensor, d_scales: torch.Tensor,
+        q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor], zero_mode: bool, entry: str,
+    ) -> torch.Tensor:
+        return getattr(serve(d_values, kind, entry).quantized, launcher)(Q, q_scales, d_values, d_scales, q_mask,
+                                                                         d_mask, zero_mode=zero_mode)
+
+    scores.__doc__ = doc
+    return registered(launcher, _scores_fake)(scores)
 
 
-@registered("maxsim_int8", _scores_fake)
-def maxsim_int8(
-    Q: torch.Tensor, q_scales: Optional[torch.Tensor], d_values: torch.Tensor, d_scales: torch.Tensor,
-    q_mask: Optional[torch.Tensor], d_mask: Optional[torch.Tensor], zero_mode: bool, entry: str,
-) -> torch.Tensor:
-    """int8 MaxSim: ``Q`` is int8 values with ``q_scales``, or float tokens (``q_scales`` None)."""
-    return serve(d_values, "int8", entry).quantized.maxsim_int8(Q, q_scales, d_values, d_scales, q_mask, d_mask,
-                                                                zero_mode=zero_mode)
+maxsim_fp8 = _register_scores("fp8", "fp8 MaxSim: ``Q`` is e4m3 values with ``q_scales``, or float tokens "
+                                     "(``q_scales`` None).")
+maxsim_int8 = _register_scores("int8", "int8 MaxSim: ``Q`` is int8 values with ``q_scales``, or float tokens "
+                                       "(``q_scales`` None).")

@@ -43,16 +43,8 @@ def score(entry, Q, D, q_mask, d_mask, layout, *, normalize, backward, mask_mode
                           zero_mode=mask_mode == "zero", strategy=backward, entry=entry)
 
 
-def maxsim(
-    Q: torch.Tensor,
-    D: torch.Tensor,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    *,
-    normalize: bool = False,
-    backward: str = "auto",
-    mask_mode: str = "exclude",
-) -> torch.Tensor:
+def maxsim(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None, d_mask: torch.Tensor | None = None,
+           *, normalize: bool = False, backward: str = "auto", mask_mode: str = "exclude") -> torch.Tensor:
     """MaxSim scores ``sum_s max_t <Q[q, s], D[d, t]>`` for a batch, fused.
 
     Args:
@@ -95,16 +87,9 @@ def maxsim(
                   normalize=normalize, backward=backward, mask_mode=mask_mode)
 
 
-def maxsim_pairs(
-    Q: torch.Tensor,
-    D: torch.Tensor,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    *,
-    normalize: bool = False,
-    backward: str = "auto",
-    mask_mode: str = "exclude",
-) -> torch.Tensor:
+def maxsim_pairs(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
+                 d_mask: torch.Tensor | None = None, *, normalize: bool = False, backward: str = "auto",
+                 mask_mode: str = "exclude") -> torch.Tensor:
     """MaxSim of aligned pairs: ``Q [B, Lq, d]`` with ``D [B, Ld, d]`` -> ``[B]``.
 
     Masks ``[B, Lq]`` / ``[B, Ld]``; every other argument as in :func:`maxsim`.
@@ -115,14 +100,8 @@ def maxsim_pairs(
                   mask_mode=mask_mode)
 
 
-def maxsim_from_hidden(
-    Q: torch.Tensor,
-    H_d: torch.Tensor,
-    W: torch.Tensor,
-    b: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    normalize: bool = True,
-) -> torch.Tensor:
+def maxsim_from_hidden(Q: torch.Tensor, H_d: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None,
+                       d_mask: torch.Tensor | None = None, normalize: bool = True) -> torch.Tensor:
     """MaxSim against documents given as hidden states: ``D = normalize(H_d @ W.T + b)`` is
     computed tile by tile inside the scoring kernel (the projection head of a ColBERT model
     fused into its scoring), never written to memory.  ``Q`` is scored as given, as
@@ -175,18 +154,9 @@ def maxsim_from_hidden(
     return out.squeeze(0) if single else out
 
 
-def retrieve(
-    Q: torch.Tensor,
-    D: torch.Tensor,
-    top_k: int,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    *,
-    normalize: bool = False,
-    mask_mode: str = "exclude",
-    chunk: int | None = None,
-    largest: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def retrieve(Q: torch.Tensor, D: torch.Tensor, top_k: int, q_mask: torch.Tensor | None = None,
+             d_mask: torch.Tensor | None = None, *, normalize: bool = False, mask_mode: str = "exclude",
+             chunk: int | None = None, largest: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` documents per query: ``Q [Nq, Lq, d]``, ``D [Nd, Ld, d]`` ->
     ``(scores [Nq, k], indices [Nq, k])``, best first.
 

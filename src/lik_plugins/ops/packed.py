@@ -46,19 +46,10 @@ from .validate import (
 __all__ = ["maxsim_varlen", "score_pairs_packed", "maxsim_padded", "pack", "unpack"]
 
 
-def maxsim_varlen(
-    Q_packed: torch.Tensor,
-    D_packed: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_d: torch.Tensor,
-    max_seqlen_q: int | None = None,
-    max_seqlen_d: int | None = None,
-    *,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    normalize: bool = False,
-    mask_mode: str = "exclude",
-) -> torch.Tensor:
+def maxsim_varlen(Q_packed: torch.Tensor, D_packed: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_d: torch.Tensor, max_seqlen_q: int | None = None, max_seqlen_d: int | None = None, *,
+                  q_mask: torch.Tensor | None = None, d_mask: torch.Tensor | None = None, normalize: bool = False,
+                  mask_mode: str = "exclude") -> torch.Tensor:
     """Every packed query against every packed document: ``[Nq, Nd]``.
 
     Args:
@@ -90,21 +81,11 @@ def maxsim_varlen(
                    max_seqlen_d, q_mask, d_mask, normalize, mask_mode)
 
 
-def score_pairs_packed(
-    Q_packed: torch.Tensor,
-    D_packed: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_d: torch.Tensor,
-    pair_q_idx: torch.Tensor,
-    pair_d_idx: torch.Tensor,
-    *,
-    max_seqlen_q: int | None = None,
-    max_seqlen_d: int | None = None,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    normalize: bool = False,
-    mask_mode: str = "exclude",
-) -> torch.Tensor:
+def score_pairs_packed(Q_packed: torch.Tensor, D_packed: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_d: torch.Tensor, pair_q_idx: torch.Tensor, pair_d_idx: torch.Tensor, *,
+                       max_seqlen_q: int | None = None, max_seqlen_d: int | None = None,
+                       q_mask: torch.Tensor | None = None, d_mask: torch.Tensor | None = None,
+                       normalize: bool = False, mask_mode: str = "exclude") -> torch.Tensor:
     """Only the listed (query, document) pairs of packed batches: ``[num_pairs]``.
 
     Pair ``p`` is query ``pair_q_idx[p]`` against document ``pair_d_idx[p]``; the cost is
@@ -207,14 +188,8 @@ def _pairs_in_range(cu_q, cu_d, pair_q, pair_d):
     return ((pair_q >= 0) & (pair_q < nq)).all() & ((pair_d >= 0) & (pair_d < nd)).all()
 
 
-def maxsim_padded(
-    queries: torch.Tensor,
-    documents: torch.Tensor,
-    query_lengths: torch.Tensor,
-    doc_lengths: torch.Tensor,
-    *,
-    normalize: bool = False,
-) -> torch.Tensor:
+def maxsim_padded(queries: torch.Tensor, documents: torch.Tensor, query_lengths: torch.Tensor,
+                  doc_lengths: torch.Tensor, *, normalize: bool = False) -> torch.Tensor:
     """Each query against its own padded candidates, with lengths: ``[B, C]``.
 
     Args:
