@@ -121,6 +121,14 @@ if [[ $stage == plaid || $stage == all ]]; then
   else
     echo "plaid: benchmarks/data/fidelity_embeddings.pt not carried; skipped"
   fi
+  # PyLate's PLAID index searched by fast-plaid, then patched (recipes/plaid_search.py): PyLate,
+  # fast-plaid and their dependencies from .whl/; synthetic 100k, offline, long (sized to make
+  # fast-plaid's fixed batch run out of this GPU's memory)
+  host_env
+  offline=()
+  [[ -f benchmarks/data/plaid_offline_fp16.pt ]] && offline=(--offline-embeddings benchmarks/data/plaid_offline_fp16.pt)
+  timeout 590 python3 recipes/plaid_search.py --device cuda --out "$OUT" --docs 100000 --queries 1000 --single 60 \
+    "${offline[@]}" --long-docs auto 2>&1 | tail -45
 fi
 
 if [[ $stage == parity || $stage == hosts || $stage == all ]]; then

@@ -5,17 +5,47 @@ host synchronisation at each step.  :func:`plaid_search` runs the same algorithm
 (fast-plaid 1.4.6, ``rust/search/search.rs``) for a whole batch, with no host
 synchronisation until the results are read back once:
 
-1. centroid scores ``S = centroids @ Q.T`` for every query token, in fp16 as fast-plaid
-   computes them (queries and centroids rounded to fp16);
+1. centroid scores ``S = centroids @ Q.T`` for every query token;
 2. IVF probe: the ``n_ivf_probe`` best centroids of each query token, and the union of
    their inverted lists -- a dense ``[B, N]`` candidate mask (:mod:`.kernels.triton.plaid_probe`);
 3. approximate score of every candidate from its codes (``sum_s max_t S[code_t, s]``);
 4. the ``max(n_full_scores // 4, 1)`` best candidates by that score (fast-plaid keeps the
-   top ``n_full_scores`` and then decompresses the top quarter of those);
+   top ``n_full_scores`` and then decompresses the top quarter of those: the same set);
 5. their exact MaxSim -- the query tokens as given against the decompressed, L2-normalised
-   residual tokens, fast-plaid's score -- read in place from the packed index by the residual
-   kernel (pair list over the whole index);
+   residual tokens, fast-plaid's score -- read in place from the packed index
+   (``plaid_probe.fast_plaid_scores``);
 6. the top ``k``.
+
+Rounding and order, as fast-plaid computes them (its index, queries and codec tensors are
+fp16; every step is a libtorch op on them), reproduced here step by step:
+
+* centroid scores: an fp16 matmul -- fp32 accumulation, each score rounded to fp16 (the same
+  torch op here);
+* probe: ``topk`` of each query token's fp16 scores; equal scores at the cut go to the lower
+  centroid id (CUDA's ``topk``, here too);
+* approximate score: the fp16 maximum over the document's codes per query token, summed over
+  the query tokens in fp32 (``sum(dtype=float)``);
+* candidate cut: ``topk`` by approximate score; equal scores at the cut go to the lower
+  document id (CUDA ``topk`` gathers ties in index order; fast-plaid's candidates are sorted
+  by id);
+* exact score: each token ``x = fp16(centroid + bucket_weight)``; its norm
+  ``fp16(sqrt(sum x^2))``, the squares summed in fp32 in the order of PyTorch's CUDA row
+  reduction (``plaid_probe._torch_cuda_row_sum``); ``fp16(x / norm)`` (fp32 IEEE division);
+  each similarity with the fp16 query an fp32 dot rounded to fp16; the fp16 maximum over the
+  document's tokens; the sum over the query tokens in fp32.  A sum of fp16 values in fp32 is
+  exact in any order while every term is 0 or at least ``2**-9`` in magnitude and the sum stays
+  below 32 (cosine maxima of up to 32 query tokens), so the summation order of the two query
+  sums does not matter there;
+* final order: fast-plaid sorts the exact scores with a stable sort (CUDA sorts of 33 to 4096
+  keys are stable), so equal scores keep the order of the kept documents: by approximate score,
+  then by id, when the cut removed candidates, and by id when all of them were kept.  Here
+  the kept documents are put in that order and sorted stably.
+
+What may still differ: the fp32 accumulation order inside a dot product (cuBLAS's and Triton's
+tensor-core sums), which changes an fp16-rounded similarity only when its fp32 value falls
+within a few fp32 ulps of an fp16 rounding boundary; PyTorch's row-reduction order where a
+release changes it; a search with 32 or fewer kept documents (fast-plaid's bitonic sort of
+those is unstable).
 
 Memory is bounded whatever the batch: queries are taken ``B`` at a time with ``B`` sized so
 that the centroid scores and the ``[B, N]`` candidate buffers fit :data:`WORKSPACE_BYTES`
@@ -38,7 +68,7 @@ import torch
 
 from . import _routing
 from .ops.validate import check_tensor
-from .kernels.dispatch import implementation, served_by
+from .kernels.dispatch import served_by
 
 __all__ = ["FastPlaidIndex", "load_fast_plaid_index", "plaid_search", "clear_index_cache"]
 
@@ -150,8 +180,8 @@ def clear_index_cache() -> None:
 
 def _batch_size(index: FastPlaidIndex, lq: int, n_rerank: int) -> int:
     per_query = (index.centroids.shape[0] * lq * 2            # centroid scores, fp16
-                 + index.n_docs * (1 + 4 + 4)                 # candidate mask, approx scores, top-k scratch
-                 + n_rerank * 24)                             # pair lists, exact scores, top-k
+                 + index.n_docs * 16                          # mask, approx scores, the cut's buffers
+                 + n_rerank * 64)                             # pair lists, orders, exact scores, sorts
     budget = min(max(index.nbytes, WORKSPACE_BYTES[0]), WORKSPACE_BYTES[1])
     return int(max(1, min(_MAX_GRID_Y, budget // max(per_query, 1))))
 
@@ -173,10 +203,21 @@ def _subset_masks(index: FastPlaidIndex, subset: list, device) -> tuple[torch.Te
     return docs, cells
 
 
+def _keep_best(approx: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n_keep`` best of each row of ``approx [B, N]`` (values, column ids): equal values
+    at the cut go to the lower ids, as CUDA's ``topk`` (fast-plaid's cut) leaves them -- made
+    explicit so that every device cuts alike: of the values equal to the ``n_keep``-th, only
+    the lowest-id ones that fit stay eligible."""
+    kth = approx.topk(n_keep, dim=1).values[:, -1:]                                 # [B, 1]
+    room = n_keep - (approx > kth).sum(dim=1, keepdim=True)
+    at_kth = approx == kth
+    excess = at_kth & (at_kth.cumsum(dim=1, dtype=torch.int32) > room)
+    return approx.masked_fill(excess, float("-inf")).topk(n_keep, dim=1)
+
+
 def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: int, n_rerank: int,
                   subset: list | None):
-    probe = implementation("triton")
-    from .kernels.triton import plaid_probe
+    from .kernels.triton import operands, plaid_probe
 
     nq, lq, _ = Q.shape
     n_docs = index.n_docs
@@ -195,28 +236,31 @@ def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: i
     mask = plaid_probe.mark_candidates(cells, index.ivf, index.ivf_offsets, n_docs)
     if allowed is not None:
         mask &= allowed
+    n_candidates = mask.sum(dim=1, dtype=torch.int32)
     # 3. approximate scores (-inf off the candidates), 4. the best n_rerank of them
     approx = plaid_probe.approx_scores(S, index.codes, index.doc_offsets, mask)
     del S, mask
     n_keep = min(n_rerank, n_docs)
-    top_approx, picked = approx.topk(n_keep, dim=1)                                 # [B, n_keep]
+    top_approx, picked = _keep_best(approx, n_keep)                                  # [B, n_keep]
     del approx
-    # 5. exact MaxSim of each query against its picked documents, read in place
-    launch = probe.maxsim
+    # fast-plaid's order of the kept documents, which its stable sort keeps among equal exact
+    # scores: by approximate score (then id) when it cut, by id when every candidate was kept
+    picked, by_id = picked.sort(dim=1)
+    top_approx = top_approx.gather(1, by_id)
+    cut = (n_candidates > n_keep)[:, None]
+    _, order = torch.where(cut, top_approx, 0.0).sort(dim=1, descending=True, stable=True)
+    picked, top_approx = picked.gather(1, order), top_approx.gather(1, order)
+    # 5. fast-plaid's exact score of each query against its kept documents, read in place
     pair_q = torch.arange(nq, device=Q.device, dtype=torch.int32).repeat_interleave(n_keep)
-    pair_d = picked.reshape(-1).to(torch.int32)
-    cu_q = torch.arange(0, (nq + 1) * lq, lq, dtype=torch.int32, device=Q.device)
-    weights = launch.stream_order_weights(index.bucket_weights, index.nbits)
-    fmt = launch.DocFormat(launch.RESIDUAL, index.codes, index.centroids, weights, (0, 0, 1),
-                           index.centroids.shape[0], index.nbits)
-    exact = launch.varlen_forward(Q.reshape(nq * lq, -1), index.residuals, cu_q, index.doc_offsets,
-                                  (pair_q, pair_d), None, None, max_q=lq, max_d=max(index.max_doclen, 1),
-                                  normalize=True, zero_mode=False, save_argmax=False, doc_format=fmt,
-                                  q_scale=torch.ones(nq * lq, dtype=torch.float32, device=Q.device))[0]
+    exact = plaid_probe.fast_plaid_scores(Q, pair_q, picked.reshape(-1).to(torch.int32), index.codes,
+                                          index.residuals, index.centroids,
+                                          operands.stream_order_weights(index.bucket_weights, index.nbits),
+                                          index.doc_offsets, index.nbits)
     exact = exact.reshape(nq, n_keep).masked_fill(top_approx == float("-inf"), float("-inf"))
-    # 6. top k
-    scores, at = exact.topk(min(k, n_keep), dim=1)
-    return scores, picked.gather(1, at)
+    # 6. top k: a stable sort, so equal scores keep the order above
+    scores, at = exact.sort(dim=1, descending=True, stable=True)
+    out_k = min(k, n_keep)
+    return scores[:, :out_k], picked.gather(1, at[:, :out_k])
 
 
 def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_probe: int = 8,
