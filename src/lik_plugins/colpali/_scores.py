@@ -90,8 +90,13 @@ def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
     without masks, so a zero token takes part in the max of every passage shorter than the
     longest of its chunk (results depend on ``batch_size``, and must): such a passage is
     scored with the zero padding in its max (``kernels.triton.listed``).  Query padding adds
-    exactly 0 to a sum.  Scores are rounded to the inputs' dtype before the float32 cast, as
-    colpali's are.  Served where the Triton kernels run; elsewhere (a CPU) colpali's loop."""
+    exactly 0 to a sum.  Precision, as colpali's einsum computes it: each row's max rounded
+    to the inputs' dtype (colpali rounds every similarity; rounding is monotone), the maxima
+    summed in fp32 (exact for 16-bit maxima), the sum rounded to the dtype, then the float32
+    cast -- colpali's scores bit for bit, but where a similarity lies within fp32
+    accumulation error of a 16-bit rounding midpoint (one step of the grid, rare).  Equal
+    scores stay equal: rankings match colpali's, ties included, under any deterministic
+    sort.  Served where the Triton kernels run; elsewhere (a CPU) colpali's loop."""
     target = torch.device(device)
     first = queries[0]
     probe = first.to(target) if first.device != target else first
@@ -110,6 +115,6 @@ def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
     chunk = torch.arange(n_p, device=target) // batch_size
     pad = table.lengths < torch.tensor(longest).to(target, non_blocking=True)[chunk]
     with torch.no_grad():   # every query against every passage: [n_q, n_p]
-        scores = score_table(queries, table.extra, table, None, pad)
+        scores = score_table(queries, table.extra, table, None, pad, round_maxima=True)
     scores = scores.to(dtype).cpu().to(torch.float32)
     return scores, path

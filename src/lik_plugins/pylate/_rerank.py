@@ -15,12 +15,21 @@ The rule (same rankings as PyLate's at the embeddings' precision):
 * zero padding: PyLate's padding takes part in the max (a zero vector scores exactly 0), so
   a candidate shorter than the longest of its query's list scores as if a zero token were
   appended (a row whose similarities are all negative scores 0); the longest ones do not;
-* precision: similarities and sums in fp32 (PyLate's einsum rounds each similarity to the
-  embeddings' dtype first), then the scores are rounded to the embeddings' dtype, as
-  PyLate's are -- fp16 / bf16 scores equal PyLate's unless that rounding differs;
+* precision (16-bit embeddings): PyLate's einsum rounds every similarity to the embeddings'
+  dtype, the max over a candidate's tokens is exact, the sum over the query tokens
+  accumulates in fp32 and is rounded to the dtype.  Here each row's fp32 max is rounded to
+  the dtype (rounding is monotone: the same value as the max of rounded similarities), the
+  rounded maxima are summed in fp32 (exact for sums of 16-bit maxima of any realistic
+  magnitude, so the order of the additions does not matter) and the sum is rounded to the
+  dtype: PyLate's scores, bit for bit.  The exception: a similarity whose exact value lies
+  within fp32 accumulation error of a midpoint of the 16-bit grid may round the other way
+  (the two matrix products add their terms in different orders), moving that candidate's
+  score by one 16-bit step.  fp32 embeddings: the same sums in another order (last-bit
+  differences, so near-equal candidates may swap);
 * ties: each list is sorted by the very ``torch.sort(descending=True)`` call PyLate makes
   (same length, dtype and device; ``torch.sort`` is not stable there, and a batched or
-  stable sort orders ties differently), so exactly equal scores come out in PyLate's order.
+  stable sort orders ties differently), so exactly equal scores -- frequent once sums are
+  rounded to 16 bits -- come out in PyLate's order.
 
 Where it runs: on the devices the Triton kernels serve (CUDA; the CPU under
 ``TRITON_INTERPRET=1`` with ``LIK_BACKEND=triton``).  Everywhere else (a plain CPU, MPS)
@@ -143,7 +152,7 @@ def _rerank_listed(queries, table, counts, longest, ids, target):
     # PyLate's zero padding joins the max of every candidate shorter than its list's longest
     pad = table.lengths < torch.tensor(longest).to(target, non_blocking=True)[query_index]
     with torch.no_grad():
-        flat = score_table(queries, q_lens, table, query_index, pad)
+        flat = score_table(queries, q_lens, table, query_index, pad, round_maxima=True)
     flat = flat.to(dtype)            # PyLate's scores are in the embeddings' dtype
     # each list sorted by the very call PyLate makes on it (module docstring: ties)
     parts = [torch.sort(part, descending=True) for part in torch.split(flat, counts)]

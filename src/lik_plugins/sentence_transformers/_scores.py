@@ -28,9 +28,14 @@ We replace the chunk scorers by one fused op call each and keep every line of th
   groups -- exact, since every document's score depends only on its own tokens and mask.
 
 Precision: fp32 inputs match ST to summation order.  fp16 / bf16 inputs: ST rounds every
-token similarity to the input dtype before the max (its einsum runs in half precision),
-we keep them in fp32; scores differ by that rounding (relative ~4e-3 per token for bf16),
-never by a different mask semantics.  XTR scoring (a global top-k over the batch's tokens)
+token similarity to the input dtype before the max (its einsum runs in half precision) and
+sums the maxima in float32 without a final rounding.  On lists (the listed kernel) each
+row's max is rounded to the input dtype the same way (rounding is monotone) before the
+fp32 sum: ST's scores bit for bit, but where a similarity lies within fp32 accumulation
+error of a 16-bit rounding midpoint (one step of that max, rare), so rankings match ST's,
+ties included.  The padded-chunk scorers keep the similarities in fp32; their scores
+differ by that rounding (relative ~4e-3 per token for bf16), never by a different mask
+semantics.  XTR scoring (a global top-k over the batch's tokens)
 is not MaxSim: ``xtr_scores`` & co. stay on ST's path.
 
 ``LIK_DISABLE=1`` sends every call to ST's original function with the caller's arguments.
@@ -207,10 +212,10 @@ def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     q_lens = table.extra
     with torch.no_grad():
         if pairwise:
-            scores = score_table(a, q_lens, table, torch.arange(nq, device=device), None)
+            scores = score_table(a, q_lens, table, torch.arange(nq, device=device), None, round_maxima=True)
             empty = table.lengths == 0
         else:   # every query against every document: [nq, nd]
-            scores = score_table(a, q_lens, table, None, None)
+            scores = score_table(a, q_lens, table, None, None, round_maxima=True)
             empty = (table.lengths == 0).unsqueeze(0)
     scores = scores.masked_fill(empty, _similarity_module._EMPTY_DOCUMENT_SCORE)
     if params.get("length_normalize", False):

@@ -62,14 +62,17 @@ def kernels(patched, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_rerank_matches_pylate_in_one_launch(kernels, dtype):
+def test_rerank_matches_pylate_in_one_launch(kernels, dtype, monkeypatch):
     from pylate import rank
 
     ids, queries, docs = _corpus(0, dtype=dtype)
+    monkeypatch.setenv("PYLATE_SCORES_BACKEND", "torch")     # PyLate's own loop and colbert_scores
     theirs = kernels.originals["rerank"](ids, queries, docs)
-    reset_routing_counts()       # PyLate's own loop above called the patched colbert_scores
+    monkeypatch.delenv("PYLATE_SCORES_BACKEND")
+    reset_routing_counts()
     ours = rank.rerank(ids, queries, docs)
-    # 16-bit: both round to the embeddings' dtype; fp32 sums may differ in the last bit
+    # 16-bit: both round each row's max and the sum to the embeddings' dtype; fp32 sums may
+    # differ in the last bit
     _same(ours, theirs, exact=False)
     assert [r["id"] for r in ours[2]] == [r["id"] for r in theirs[2]]   # the five-way tie too
     assert routing_counts() == {"pylate.rerank": {"triton": 1}}       # no per-query colbert_scores

@@ -38,7 +38,7 @@ def listed_fwd_kernel(
     n_table, n_q, n_qblocks, n_chunks, dim, s_qs,
     ROWS_PER_Q: tl.constexpr, QPB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     D_PAD: tl.constexpr, TAIL_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_PAD: tl.constexpr, CROSS: tl.constexpr,
+    HAS_PAD: tl.constexpr, CROSS: tl.constexpr, ROUND_MAX: tl.constexpr,
 ):
     # Program = (table row, query-row chunk, query block); the programs of one table row are
     # neighbours, so they read the same candidate while it is in L2.
@@ -86,6 +86,10 @@ def listed_fwd_kernel(
     # a row scores its max when a token beat the zero padding (a tie scores 0 either way);
     # NaN stays NaN; rows past the query, and rows of an empty candidate, add 0
     m_win = ((b_max > float("-inf")) & (b_max >= b_floor)) | (b_max != b_max)
+    if ROUND_MAX:
+        # the hosts' einsum rounds every similarity to the embeddings' dtype before its max;
+        # rounding is monotone, so rounding the row's max gives the same value
+        b_max = _round_to_input(b_max, Q.dtype.element_ty)
     b_val = tl.where(m_win & m_row, b_max, 0.0)
     b_score = tl.sum(tl.reshape(b_val, [QPB, ROWS_PER_Q]), axis=1)                     # [QPB]
     # OUT [n_chunks, n_out, n_table]: n_out = n_q (CROSS) or 1
@@ -93,6 +97,21 @@ def listed_fwd_kernel(
     n_out = n_q if CROSS else 1
     p_out = OUT + (i_chunk.to(tl.int64) * n_out + o_q) * n_table + i_p
     tl.store(p_out, b_score, mask=o_q < n_out)
+
+
+@triton.jit
+def _round_to_input(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even in ``DTYPE`` (fp16 / bf16), back in fp32."""
+    if DTYPE == tl.bfloat16:
+        # by its bits (what the hardware's conversion computes): the interpreter's fp32 ->
+        # bf16 cast truncates; NaN and inf keep their bits, the largest values round to inf
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
 
 
 def _config(d_pad: int, elem: int) -> dict:
@@ -107,7 +126,8 @@ def _config(d_pad: int, elem: int) -> dict:
 
 
 def score_listed(Q: torch.Tensor, cu_q: torch.Tensor, max_q: int, doc: torch.Tensor, addresses: torch.Tensor,
-                 lengths: torch.Tensor, query_index: torch.Tensor | None, pad: torch.Tensor | None) -> torch.Tensor:
+                 lengths: torch.Tensor, query_index: torch.Tensor | None, pad: torch.Tensor | None,
+                 round_maxima: bool = False) -> torch.Tensor:
     """fp32 MaxSim scores of packed queries (rows ``cu_q[i] .. cu_q[i+1]`` of the contiguous
     ``Q [sum Lq, d]``) against the table's candidates (``lengths[p]`` tokens at
     ``addresses[p]``).
@@ -115,7 +135,9 @@ def score_listed(Q: torch.Tensor, cu_q: torch.Tensor, max_q: int, doc: torch.Ten
     ``query_index`` ``[P]``: table row ``p`` belongs to that query alone -> ``[P]``; None:
     every query against every candidate -> ``[n_q, P]``.  ``doc``: any candidate (its dtype
     types the addresses; never read).  ``pad`` (bool or int8 ``[P]``, or None): rows whose
-    max the host's zero padding joins.  Every address must be a multiple of 16 bytes
+    max the host's zero padding joins.  ``round_maxima``: each row's max is rounded to
+    ``Q``'s dtype (fp16 / bf16; nearest-even) before the fp32 sum, as a host whose einsum
+    outputs that dtype computes it.  Every address must be a multiple of 16 bytes
     (:func:`candidate_table`'s).  Table tensors live on ``Q``'s device; ``addresses`` int64, ``lengths``,
     ``query_index`` and ``cu_q`` int32 or int64."""
     n_table, dim, n_q = addresses.shape[0], Q.shape[-1], cu_q.shape[0] - 1
@@ -134,6 +156,7 @@ def score_listed(Q: torch.Tensor, cu_q: torch.Tensor, max_q: int, doc: torch.Ten
             out, n_table, n_q, n_qblocks, n_chunks, dim, Q.stride(0),
             ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad, UPCAST=interpreting() and Q.dtype == torch.bfloat16,
             PRECISION=_precision(Q.dtype), HAS_PAD=pad is not None, CROSS=cross,
+            ROUND_MAX=round_maxima and Q.dtype != torch.float32,
             **_config(d_pad, elem),
         )
     else:
@@ -143,7 +166,7 @@ def score_listed(Q: torch.Tensor, cu_q: torch.Tensor, max_q: int, doc: torch.Ten
 
 
 def score_table(queries: list, q_lens: torch.Tensor, table: "Table", query_index: torch.Tensor | None,
-                pad: torch.Tensor | None) -> torch.Tensor:
+                pad: torch.Tensor | None, round_maxima: bool = False) -> torch.Tensor:
     """:func:`score_listed` of a list of ``[Lq_i, d]`` queries against ``table``'s candidates:
     the queries packed on the table's device, ``q_lens`` their token counts already there
     (uploaded with the table as ``extra``)."""
@@ -152,7 +175,7 @@ def score_table(queries: list, q_lens: torch.Tensor, table: "Table", query_index
     cu_q = torch.zeros(len(queries) + 1, dtype=torch.int64, device=device)
     torch.cumsum(q_lens, 0, out=cu_q[1:])
     return score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc, table.addresses, table.lengths,
-                        query_index, pad)
+                        query_index, pad, round_maxima)
 
 
 class Table(NamedTuple):
