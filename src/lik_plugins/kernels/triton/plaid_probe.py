@@ -136,8 +136,16 @@ def _fast_plaid_tokens(RES, CODES, CENT, W, start, o_t, m_t, o_k, m_k, dim, s_re
     centroid = tl.load(CENT + code[:, None] * dim + o_k[None, :], mask=m, other=0.0).to(tl.float32)
     byte = tl.load(RES + (start + o_t)[:, None] * s_res + (o_k // PER_BYTE)[None, :], mask=m, other=0).to(tl.int32)
     field = (byte >> (8 - NBITS - (o_k % PER_BYTE) * NBITS)[None, :]) & ((1 << NBITS) - 1)
-    weight = tl.load(W + field, mask=m, other=0.0)
-    x = (centroid + weight).to(tl.float16).to(tl.float32)
+    if NBITS == 1:
+        weight = tl.where(field != 0, tl.load(W + 1), tl.load(W))
+    elif NBITS == 2:
+        # two selects on the field's bits: a gather from the table is an L1 request per element
+        weight = tl.where((field & 2) != 0, tl.where((field & 1) != 0, tl.load(W + 3), tl.load(W + 2)),
+                          tl.where((field & 1) != 0, tl.load(W + 1), tl.load(W)))
+    else:
+        weight = tl.load(W + field, mask=m, other=0.0)
+    # zero past the embedding and the document: the selects above give those a weight too
+    x = tl.where(m, (centroid + weight).to(tl.float16).to(tl.float32), 0.0)
     norm = tl.sqrt_rn(_torch_cuda_row_sum(x * x, BLOCK_T, D_PAD, LANES, VECTORIZED))
     # fast-plaid clamps at 1e-12, which is 0 in fp16; only a zero token differs (0 here, NaN there)
     norm = tl.maximum(norm.to(tl.float16).to(tl.float32), 1e-12)
