@@ -33,9 +33,9 @@ fp16; every step is a libtorch op on them), reproduced here step by step:
   reduction (``plaid_probe._torch_cuda_row_sum``); ``fp16(x / norm)`` (fp32 IEEE division);
   each similarity with the fp16 query an fp32 dot rounded to fp16; the fp16 maximum over the
   document's tokens; the sum over the query tokens in fp32.  A sum of fp16 values in fp32 is
-  exact in any order while every term is 0 or at least ``2**-9`` in magnitude and the sum stays
-  below 32 (cosine maxima of up to 32 query tokens), so the summation order of the two query
-  sums does not matter there;
+  exact in any order while its partial sums stay below ``2**k`` and every nonzero term is at
+  least ``2**(k - 14)`` in magnitude (cosine maxima of 32 query tokens: below 32, terms from
+  ``2**-9``), so the summation order of the two query sums does not matter there;
 * final order: fast-plaid sorts the exact scores with a stable sort (CUDA sorts of 33 to 4096
   keys are stable), so equal scores keep the order of the kept documents: by approximate score,
   then by id, when the cut removed candidates, and by id when all of them were kept.  Here
