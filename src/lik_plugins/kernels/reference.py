@@ -94,30 +94,17 @@ def maxsim(
     return _reduce(sim, qv[:, None, :], dv, mask_mode)
 
 
-def maxsim_pairs(
-    Q: torch.Tensor,
-    D: torch.Tensor,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    *,
-    normalize: bool = False,
-    mask_mode: str = "exclude",
-) -> torch.Tensor:
+def maxsim_pairs(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
+                 d_mask: torch.Tensor | None = None, *, normalize: bool = False, mask_mode: str = "exclude",
+                 ) -> torch.Tensor:
     """Reference of :func:`lik_plugins.maxsim_pairs`: ``[B, Lq, d] x [B, Ld, d] -> [B]``."""
     dm = None if d_mask is None else d_mask.unsqueeze(1)
     return maxsim(Q, D.unsqueeze(1), q_mask, dm, normalize=normalize, mask_mode=mask_mode).squeeze(1)
 
 
-def retrieve(
-    Q: torch.Tensor,
-    D: torch.Tensor,
-    top_k: int,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    *,
-    normalize: bool = False,
-    mask_mode: str = "exclude",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def retrieve(Q: torch.Tensor, D: torch.Tensor, top_k: int, q_mask: torch.Tensor | None = None,
+             d_mask: torch.Tensor | None = None, *, normalize: bool = False, mask_mode: str = "exclude",
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`lik_plugins.retrieve`: top-``k`` documents per query."""
     scores = maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
     return scores.topk(min(int(top_k), scores.shape[1]), dim=1)
@@ -142,7 +129,7 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 dequantize_fp8 = dequantize_int8 = dequantize
 
 
-def maxsim_fp8(
+def maxsim_dequantised(
     Q: tuple[torch.Tensor, torch.Tensor],
     D: tuple[torch.Tensor, torch.Tensor],
     q_mask: torch.Tensor | None = None,
@@ -151,8 +138,13 @@ def maxsim_fp8(
     mask_mode: str = "exclude",
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Reference of :func:`lik_plugins.maxsim_fp8`: MaxSim of the dequantised tokens."""
-    return maxsim(dequantize_fp8(*Q, dtype), dequantize_fp8(*D, dtype), q_mask, d_mask, mask_mode=mask_mode)
+    """Reference of :func:`lik_plugins.maxsim_fp8` and :func:`lik_plugins.maxsim_int8`:
+    MaxSim of the dequantised ``(values, scales)`` tokens.  (The int8 kernels take exact
+    int32 products and multiply by the two scales: the same number up to fp32 rounding.)"""
+    return maxsim(dequantize(*Q, dtype), dequantize(*D, dtype), q_mask, d_mask, mask_mode=mask_mode)
+
+
+maxsim_fp8 = maxsim_int8 = maxsim_dequantised
 
 
 def smooth_maxsim(Q: torch.Tensor, D: torch.Tensor, *, tau: float, layout: str = "auto") -> torch.Tensor:
@@ -184,21 +176,6 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.where(amax > 0, amax / torch.full_like(amax, float(INT8_MAX)), torch.ones_like(amax))
     values = torch.round(x.float() / scales.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return values, scales
-
-
-def maxsim_int8(
-    Q: tuple[torch.Tensor, torch.Tensor],
-    D: tuple[torch.Tensor, torch.Tensor],
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    *,
-    mask_mode: str = "exclude",
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Reference of :func:`lik_plugins.maxsim_int8`: MaxSim of the dequantised tokens.
-    (The kernels take exact int32 products and multiply by the two scales: the same
-    number up to fp32 rounding.)"""
-    return maxsim(dequantize_int8(*Q, dtype), dequantize_int8(*D, dtype), q_mask, d_mask, mask_mode=mask_mode)
 
 
 # ----------------------------------------------------------------------------- PLAID residuals
@@ -333,6 +310,12 @@ def _sequences(x: torch.Tensor | None, cu_seqlens: torch.Tensor) -> list:
     return list(torch.split(x.narrow(0, 0, bounds[-1]), sizes))
 
 
+def _unpacked(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d, q_mask, d_mask) -> tuple[list, list, list, list]:
+    """The queries, documents and their masks of packed inputs, one sequence each."""
+    return (_sequences(Q_packed, cu_seqlens_q), _sequences(D_packed, cu_seqlens_d),
+            _sequences(q_mask, cu_seqlens_q), _sequences(d_mask, cu_seqlens_d))
+
+
 def _packed_pair(q, d, qm, dm, normalize, mask_mode) -> torch.Tensor:
     """One query ``q [Lq, h]`` against one document ``d [Ld, h]``, both unpadded: a scalar."""
     qm = None if qm is None else qm.unsqueeze(0)
@@ -354,8 +337,7 @@ def maxsim_varlen(
     """Reference of :func:`lik_plugins.maxsim_varlen`: every packed query against every
     packed document, each pair scored on its own unpadded tokens (so a document of no
     tokens scores 0, and padding never exists to take part in a max)."""
-    qs, ds = _sequences(Q_packed, cu_seqlens_q), _sequences(D_packed, cu_seqlens_d)
-    qms, dms = _sequences(q_mask, cu_seqlens_q), _sequences(d_mask, cu_seqlens_d)
+    qs, ds, qms, dms = _unpacked(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d, q_mask, d_mask)
     rows = [torch.stack([_packed_pair(q, d, qm, dm, normalize, mask_mode) for d, dm in zip(ds, dms)])
             if ds else _empty_scores(Q_packed, D_packed, 0)
             for q, qm in zip(qs, qms)]
@@ -364,23 +346,13 @@ def maxsim_varlen(
     return torch.stack(rows)
 
 
-def score_pairs_packed(
-    Q_packed: torch.Tensor,
-    D_packed: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_d: torch.Tensor,
-    pair_q_idx: torch.Tensor,
-    pair_d_idx: torch.Tensor,
-    *,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    normalize: bool = False,
-    mask_mode: str = "exclude",
-) -> torch.Tensor:
+def score_pairs_packed(Q_packed: torch.Tensor, D_packed: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_d: torch.Tensor, pair_q_idx: torch.Tensor, pair_d_idx: torch.Tensor, *,
+                       q_mask: torch.Tensor | None = None, d_mask: torch.Tensor | None = None,
+                       normalize: bool = False, mask_mode: str = "exclude") -> torch.Tensor:
     """Reference of :func:`lik_plugins.score_pairs_packed`: ``[num_pairs]``, pair ``p``
     being query ``pair_q_idx[p]`` against document ``pair_d_idx[p]``."""
-    qs, ds = _sequences(Q_packed, cu_seqlens_q), _sequences(D_packed, cu_seqlens_d)
-    qms, dms = _sequences(q_mask, cu_seqlens_q), _sequences(d_mask, cu_seqlens_d)
+    qs, ds, qms, dms = _unpacked(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d, q_mask, d_mask)
     scores = [_packed_pair(qs[i], ds[j], qms[i], dms[j], normalize, mask_mode)
               for i, j in zip(pair_q_idx.tolist(), pair_d_idx.tolist())]
     return torch.stack(scores) if scores else _empty_scores(Q_packed, D_packed, 0)
