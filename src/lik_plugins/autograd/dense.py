@@ -16,9 +16,9 @@ import torch
 from ..kernels.common import COMPACT_MAX_ROWS
 from ..kernels.device import sm_count
 from ..kernels.dispatch import serve
-from .registry import CANDIDATES, CROSS, PAIRS, grads_fake, or_empty, registered, scores_fake, shape_of_scores
+from .registry import CROSS, PAIRS, grads_fake, or_empty, registered, scores_fake, shape_of_scores
 
-__all__ = ["maxsim", "choose_backward", "BACKWARD_STRATEGIES", "CROSS", "CANDIDATES", "PAIRS"]
+__all__ = ["maxsim", "choose_backward", "BACKWARD_STRATEGIES"]
 
 BACKWARD_STRATEGIES = ("auto", "unified", "lowmem")
 

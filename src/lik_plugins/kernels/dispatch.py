@@ -219,6 +219,17 @@ def implementation(path: str) -> Implementation:
     return impl
 
 
+def packed_checks_kernel(t: torch.Tensor):
+    """The one-launch check of packed offsets and pair indices (``kernels/triton/checks.py``:
+    a device-side assertion, no host sync) where the Triton kernels serve packed CUDA tensors
+    like ``t``; None elsewhere (the caller checks with torch ops)."""
+    if not t.is_cuda or served_by(t, "varlen") != "triton":
+        return None
+    from .triton.checks import packed_inputs_ok
+
+    return packed_inputs_ok
+
+
 def serve(t: torch.Tensor, op: str = "maxsim", entry: str = "") -> Implementation:
     """The launchers of the path that serves ``op`` on tensors like ``t``, the call counted
     for the public op ``entry`` (none: not counted).  A reference request that reaches a

@@ -40,7 +40,7 @@ def score(entry, Q, D, q_mask, d_mask, layout, *, normalize, backward, mask_mode
             out = reference.maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
         return score_tensor(out)
     return autograd.dense.maxsim(Q, D, q_mask, d_mask, layout=layout, normalize=bool(normalize),
-                          zero_mode=mask_mode == "zero", strategy=backward, entry=entry)
+                                 zero_mode=mask_mode == "zero", strategy=backward, entry=entry)
 
 
 def maxsim(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None, d_mask: torch.Tensor | None = None,
@@ -119,9 +119,9 @@ def maxsim_from_hidden(Q: torch.Tensor, H_d: torch.Tensor, W: torch.Tensor, b: t
 
     Returns:
         ``[Nq, Nd]`` float32 (float64 for float64 inputs; ``[Nd]`` for a 2-D ``Q``).
-        Gradients flow into whichever of ``Q``, ``H_d``, ``W``, ``b`` require them: the backward gathers the hidden states at
-        the winning positions only (each distinct one once) and projects them again; fully
-        masked documents get exact zero gradients.
+        Gradients flow into whichever of ``Q``, ``H_d``, ``W``, ``b`` require them: the
+        backward gathers the hidden states at the winning positions only (each distinct one
+        once) and projects them again; fully masked documents get exact zero gradients.
 
     Example::
 
@@ -150,7 +150,8 @@ def maxsim_from_hidden(Q: torch.Tensor, H_d: torch.Tensor, W: torch.Tensor, b: t
     if reference_requested("maxsim_from_hidden"):
         out = score_tensor(reference.maxsim_from_hidden(Q, H_d, W, b, d_mask, normalize=normalize))
     else:
-        out = autograd.hidden.maxsim_hidden(Q, H_d, W, b, d_mask, normalize=bool(normalize), entry="maxsim_from_hidden")
+        out = autograd.hidden.maxsim_hidden(Q, H_d, W, b, d_mask, normalize=bool(normalize),
+                                            entry="maxsim_from_hidden")
     return out.squeeze(0) if single else out
 
 
@@ -286,7 +287,8 @@ def _smooth_layout(Q: torch.Tensor, D: torch.Tensor, layout: str) -> int:
         raise ValueError(f"layout must be one of {tuple(ids)} or 'auto', got {layout!r}")
     want = 4 if layout == "candidates" else 3
     if Q.dim() != 3 or D.dim() != want:
-        raise ValueError(f"smooth_maxsim[{layout}]: expected Q 3-D and D {want}-D, got {tuple(Q.shape)} and {tuple(D.shape)}")
+        raise ValueError(f"smooth_maxsim[{layout}]: expected Q 3-D and D {want}-D, got {tuple(Q.shape)} and "
+                         f"{tuple(D.shape)}")
     if Q.shape[-1] != D.shape[-1]:
         raise ValueError(f"smooth_maxsim: embedding dims differ ({Q.shape[-1]} vs {D.shape[-1]})")
     if layout != "cross" and D.shape[0] != Q.shape[0]:

@@ -36,7 +36,7 @@ import torch
 from .. import autograd
 from ..autograd.registry import CANDIDATES
 from ..kernels import reference
-from ..kernels.dispatch import reference_requested, served_by
+from ..kernels.dispatch import packed_checks_kernel, reference_requested
 from .dense import score
 from .validate import (
     check_index_tensor, check_mask, check_max_seqlen, check_offsets, check_offsets_shape, check_options, check_tensor,
@@ -129,16 +129,15 @@ def _packed(entry, Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, q_mask, d_mas
         if pair_q.shape != pair_d.shape:
             raise ValueError(f"pair_q_idx and pair_d_idx must have one length, got {pair_q.shape[0]} and "
                              f"{pair_d.shape[0]}")
-    if max_q is not None and max_d is not None and Q.is_cuda and served_by(Q, "maxsim") == "triton":
+    inputs_ok = packed_checks_kernel(Q) if max_q is not None and max_d is not None else None
+    if inputs_ok is not None:
         # every check in one kernel launch: as torch ops they cost more host time than a
         # rerank of a thousand candidates takes on the GPU (kernels/triton/checks.py)
-        from ..kernels.triton.checks import packed_inputs_ok
-
         check_offsets_shape("cu_seqlens_q", cu_q, Q.shape[0])
         check_offsets_shape("cu_seqlens_d", cu_d, D.shape[0])
         # (CUDA reports a failed device assert without its message, and the message must
         # be short: the offsets rule is in this module's docstring)
-        torch._assert_async(packed_inputs_ok(cu_q, Q.shape[0], max_q, cu_d, D.shape[0], max_d, pair_q, pair_d),
+        torch._assert_async(inputs_ok(cu_q, Q.shape[0], max_q, cu_d, D.shape[0], max_d, pair_q, pair_d),
                             "packed offsets, max_seqlen or pair indices break lik_plugins.ops.packed's rule "
                             "(omit max_seqlen_q/_d to have the rule and its index named)")
     else:
@@ -153,8 +152,8 @@ def _packed(entry, Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, q_mask, d_mas
             return score_tensor(reference.maxsim_varlen(Q, D, cu_q, cu_d, **kwargs))
         return score_tensor(reference.score_pairs_packed(Q, D, cu_q, cu_d, pair_q, pair_d, **kwargs))
     return autograd.packed.maxsim_varlen(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q=int(max_q),
-                                 max_d=int(max_d), normalize=bool(normalize), zero_mode=mask_mode == "zero",
-                                 entry=entry)
+                                         max_d=int(max_d), normalize=bool(normalize), zero_mode=mask_mode == "zero",
+                                         entry=entry)
 
 
 def _check_on_device(cu_q, cu_d, pair_q, pair_d, rows_q, rows_d, max_q, max_d):

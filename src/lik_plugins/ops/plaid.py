@@ -216,9 +216,9 @@ def maxsim_residual(Q: torch.Tensor, codes: torch.Tensor, residuals: torch.Tenso
                                         normalize=normalize).float()
     else:
         lengths = doc_lengths.to(codes.device, torch.int32).contiguous()
-        out = autograd.residual.maxsim_residual(Q, codes.to(torch.int32).contiguous(), residuals.contiguous(), lengths,
-                                      centroids.contiguous(), bucket_weights.float().contiguous(), nbits=nbits,
-                                      normalize=bool(normalize), entry="maxsim_residual")
+        out = autograd.residual.maxsim_residual(Q, codes.to(torch.int32).contiguous(), residuals.contiguous(),
+                                                lengths, centroids.contiguous(), bucket_weights.float().contiguous(),
+                                                nbits=nbits, normalize=bool(normalize), entry="maxsim_residual")
     return out.squeeze(0) if single else out
 
 
@@ -229,13 +229,13 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
     ``cu_seqlens_d[j] .. cu_seqlens_d[j + 1]`` of ``codes_flat [N]`` / ``residuals_flat [N, R]``.
 
     ``max_seqlen_d``: the longest document; omitted, it is read from ``cu_seqlens_d`` (one
-    host sync).  Offsets and bound follow :mod:`lik_plugins.ops.packed`'s rule: a broken rule is a
-    ``ValueError`` naming it and its index (on a GPU with the bound given, a device-side
-    assertion); a bound below the longest document is an error, never a truncation.  Without a gradient the Triton kernel reads
-    the packed tokens in place (no copy); when ``Q`` needs a gradient, and off the Triton
-    path, the compressed tokens are first gathered into a padded layout (a copy of these
-    documents' compressed bytes -- about 1/8 of a bf16 index at nbits 2 -- never the
-    decompressed tokens).
+    host sync).  Offsets and bound follow :mod:`lik_plugins.ops.packed`'s rule: a broken rule
+    is a ``ValueError`` naming it and its index (on a GPU with the bound given, a device-side
+    assertion); a bound below the longest document is an error, never a truncation.  Without
+    a gradient the Triton kernel reads the packed tokens in place (no copy); when ``Q`` needs
+    a gradient, and off the Triton path, the compressed tokens are first gathered into a
+    padded layout (a copy of these documents' compressed bytes -- about 1/8 of a bf16 index
+    at nbits 2 -- never the decompressed tokens).
 
     Returns ``[Nq, Nd]`` float32 (``[Nd]`` for a 2-D ``Q``), as :func:`maxsim_residual`.
 
@@ -263,10 +263,10 @@ def maxsim_residual_varlen(Q: torch.Tensor, codes_flat: torch.Tensor, residuals_
         codes, residuals, lengths = reference.pad_packed_index(codes_flat, residuals_flat, cu, max_seqlen_d)
         return maxsim_residual(Q, codes, residuals, lengths, centroids, bucket_weights, nbits, normalize=normalize)
     Q3, single = _queries(Q, centroids, codes_flat.device)
-    out = autograd.residual.maxsim_residual_varlen(Q3, codes_flat.to(torch.int32).contiguous(), residuals_flat.contiguous(),
-                                         cu.to(torch.int32), centroids.contiguous(),
-                                         bucket_weights.float().contiguous(), nbits, int(max_seqlen_d),
-                                         bool(normalize), "maxsim_residual_varlen")
+    out = autograd.residual.maxsim_residual_varlen(Q3, codes_flat.to(torch.int32).contiguous(),
+                                                   residuals_flat.contiguous(), cu.to(torch.int32),
+                                                   centroids.contiguous(), bucket_weights.float().contiguous(), nbits,
+                                                   int(max_seqlen_d), bool(normalize), "maxsim_residual_varlen")
     return out.squeeze(0) if single else out
 
 
