@@ -20,6 +20,15 @@ from typing import Any, Callable
 _MISSING = object()
 
 
+def hashable_in(value: Any, table: dict) -> bool:
+    """``value in table``; False for an unhashable value (a list default, say), which is
+    never one of the host's functions."""
+    try:
+        return value in table
+    except TypeError:
+        return False
+
+
 class PatchLock:
     """One host patcher's lock, safe against the patcher re-entering itself.
 
@@ -63,6 +72,27 @@ class PatchLedger:
     @property
     def active(self) -> bool:
         return bool(self.changes)
+
+    def changed(self, owner: Any, name: str) -> bool:
+        """Whether ``owner.name`` was already replaced (a repeated patch skips it)."""
+        return any(c.owner is owner and c.name == name for c in self.changes)
+
+    def replace_globals(self, module: Any, table: dict) -> None:
+        """Every global of ``module`` that *is* a key of ``table`` (found by identity, so
+        re-exports are covered) becomes its value, once."""
+        for attr, value in list(vars(module).items()):
+            if hashable_in(value, table) and not self.changed(module, attr):
+                self.set_attr(module, attr, table[value])
+
+    def replace_defaults(self, function: Any, table: dict) -> None:
+        """``function``'s positional and keyword-only defaults that are keys of ``table``
+        become their values (a scorer bound as a default argument at import time)."""
+        defaults = function.__defaults__
+        if defaults and any(hashable_in(d, table) for d in defaults):
+            self.set_defaults(function, tuple(table[d] if hashable_in(d, table) else d for d in defaults))
+        kwdefaults = function.__kwdefaults__
+        if kwdefaults and any(hashable_in(v, table) for v in kwdefaults.values()):
+            self.set_kwdefaults(function, {k: table[v] if hashable_in(v, table) else v for k, v in kwdefaults.items()})
 
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         """``setattr(owner, name, value)``, keeping the raw original from ``owner.__dict__``.

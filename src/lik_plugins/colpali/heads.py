@@ -131,34 +131,33 @@ def _negative_scores(self, a, gen: Generation, pos_rows: str):
     return pos, neg, path
 
 
-def _with_in_batch_term(self, loss, inner, a):
+def _with_in_batch_term(self, loss, inner: str, a):
     w = self.in_batch_term_weight
     if w > 0:
-        loss_ib = inner(a["query_embeddings"], a["doc_embeddings"], a.get("offset", 0))
+        loss_ib = getattr(self, inner)(a["query_embeddings"], a["doc_embeddings"], a.get("offset", 0))
         loss = loss * (1 - w) + loss_ib * w
     return loss
 
 
-def negative_ce_loss(self, a, gen: Generation):
-    got = _negative_scores(self, a, gen, pos_rows="neg")
+def _negative_ce(self, a, gen: Generation, pos_rows: str, inner: str):
+    """The two negative-CE heads: softplus of (negative - positive) over the temperature, plus
+    the in-batch term of the head's ``inner`` loss (read only when it is weighted in)."""
+    got = _negative_scores(self, a, gen, pos_rows=pos_rows)
     if got is None:
         return None
     pos, neg, path = got
     if gen.neg_4d:
         pos = pos.unsqueeze(1)
     loss = F.softplus((neg - pos) / self.temperature).mean()
-    return _with_in_batch_term(self, loss, self.inner_loss, a), path
+    return _with_in_batch_term(self, loss, inner, a), path
+
+
+def negative_ce_loss(self, a, gen: Generation):
+    return _negative_ce(self, a, gen, "neg", "inner_loss")
 
 
 def pairwise_negative_ce_loss(self, a, gen: Generation):
-    got = _negative_scores(self, a, gen, pos_rows="query")
-    if got is None:
-        return None
-    pos, neg, path = got
-    if gen.neg_4d:
-        pos = pos.unsqueeze(1)
-    loss = F.softplus((neg - pos) / self.temperature).mean()
-    return _with_in_batch_term(self, loss, self.inner_pairwise, a), path
+    return _negative_ce(self, a, gen, "query", "inner_pairwise")
 
 
 # --------------------------------------------------------------------------- 0.3.10

@@ -124,27 +124,23 @@ def _lik_slots(backend_module):
         if not sc.eligible(query, doc):
             raise unsupported("lik_plugins serves floating tensors of one dtype, non-empty, with equal dims.")
 
-    @functools.wraps(orig_inbatch)
-    def maxsim_inbatch_lik(query, doc):
-        if disabled():
-            record("colpali.maxsim_inbatch_lik", "original")
-            return orig_inbatch(query, doc)
-        _check(query, doc, 3)
-        scores, path = sc.inbatch(query, doc)
-        record("colpali.maxsim_inbatch_lik", path)
-        return scores
+    def _slot(original, name: str, doc_dim: int, scorer: str):
+        entry = f"colpali.{name}"
 
-    @functools.wraps(orig_kd)
-    def maxsim_kd_lik(query, doc):
-        if disabled():
-            record("colpali.maxsim_kd_lik", "original")
-            return orig_kd(query, doc)
-        _check(query, doc, 4)
-        scores, path = sc.candidates(query, doc)
-        record("colpali.maxsim_kd_lik", path)
-        return scores
+        @functools.wraps(original)
+        def slot(query, doc):
+            if disabled():
+                record(entry, "original")
+                return original(query, doc)
+            _check(query, doc, doc_dim)
+            scores, path = getattr(sc, scorer)(query, doc)
+            record(entry, path)
+            return scores
 
-    return maxsim_inbatch_lik, maxsim_kd_lik
+        return slot
+
+    return (_slot(orig_inbatch, "maxsim_inbatch_lik", 3, "inbatch"),
+            _slot(orig_kd, "maxsim_kd_lik", 4, "candidates"))
 
 
 def _score_multi_vector_for(processing, original):

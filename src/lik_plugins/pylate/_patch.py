@@ -61,27 +61,8 @@ def _defined_in_pylate(obj: Any) -> bool:
 
 def _rewrite_defaults(func: Any, to_adapter: dict) -> None:
     func = getattr(func, "__func__", func)
-    if not hasattr(func, "__defaults__") or not _defined_in_pylate(func):
-        return
-    defaults = func.__defaults__
-    if defaults and any(_is_original(d, to_adapter) for d in defaults):
-        _ledger.set_defaults(func, tuple(to_adapter.get(d, d) if _is_original(d, to_adapter) else d for d in defaults))
-    kwdefaults = func.__kwdefaults__
-    if kwdefaults and any(_is_original(v, to_adapter) for v in kwdefaults.values()):
-        _ledger.set_kwdefaults(
-            func, {k: (to_adapter[v] if _is_original(v, to_adapter) else v) for k, v in kwdefaults.items()}
-        )
-
-
-def _is_original(value: Any, to_adapter: dict) -> bool:
-    try:
-        return value in to_adapter
-    except TypeError:
-        return False
-
-
-def _already_patched(owner: Any, name: str) -> bool:
-    return any(c.owner is owner and c.name == name for c in _ledger.changes)
+    if hasattr(func, "__defaults__") and _defined_in_pylate(func):
+        _ledger.replace_defaults(func, to_adapter)
 
 
 def _apply(layout: layout_mod.PyLateLayout) -> None:
@@ -92,25 +73,23 @@ def _apply(layout: layout_mod.PyLateLayout) -> None:
 
     for module in _pylate_modules():
         # 1. module globals (found by identity: covers re-exports in every release)
-        for attr, value in list(vars(module).items()):
-            if _is_original(value, to_adapter) and not _already_patched(module, attr):
-                _ledger.set_attr(module, attr, to_adapter[value])
+        _ledger.replace_globals(module, to_adapter)
         # 2. default arguments bound at import time
         for value in list(vars(module).values()):
             if not _defined_in_pylate(value) or getattr(value, "__module__", None) != module.__name__:
                 continue
             if isinstance(value, type):
                 for member in list(vars(value).values()):
-                    if not _already_patched(getattr(member, "__func__", member), "__defaults__"):
+                    if not _ledger.changed(getattr(member, "__func__", member), "__defaults__"):
                         _rewrite_defaults(member, to_adapter)
-            elif callable(value) and not _already_patched(value, "__defaults__"):
+            elif callable(value) and not _ledger.changed(value, "__defaults__"):
                 _rewrite_defaults(value, to_adapter)
 
     # 3. instance slots of objects built before the patch
     for module_name, class_name, attr in layout_mod.INSTANCE_SLOTS:
         module = sys.modules.get(module_name)
         cls = getattr(module, class_name, None) if module is not None else None
-        if cls is None or _already_patched(cls, attr):
+        if cls is None or _ledger.changed(cls, attr):
             continue
         if isinstance(vars(cls).get(attr), property):
             continue  # the host made it a property itself: leave it alone
@@ -118,20 +97,20 @@ def _apply(layout: layout_mod.PyLateLayout) -> None:
 
     # 4. ColBERTScores: one fused call over all document groups (1.5.0 and newer)
     cls = layout.colbert_scores_class
-    if cls is not None and not _already_patched(cls, "__call__"):
+    if cls is not None and not _ledger.changed(cls, "__call__"):
         _ledger.set_attr(cls, "__call__", served[layout.originals["ColBERTScores.__call__"]])
 
     # 5. PLAID search: fast-plaid's FastPlaid.search, where PyLate's indexes.PLAID hands it over
     module_name, class_name, method = layout_mod.PLAID_SEARCH
     module = layout_mod.import_optional(module_name)
     cls = getattr(module, class_name, None) if module is not None else None
-    if cls is not None and method in vars(cls) and not _already_patched(cls, method):
+    if cls is not None and method in vars(cls) and not _ledger.changed(cls, method):
         original = vars(cls)[method]
         _ledger.set_attr(cls, method, lookalike(_plaid_search.make_search(original), original))
     module_name, class_name, call, loaders = layout_mod.PLAID_MAPPINGS
     module = layout_mod.import_optional(module_name)
     cls = getattr(module, class_name, None) if module is not None else None
-    if cls is not None and call in vars(cls) and not _already_patched(cls, call):
+    if cls is not None and call in vars(cls) and not _ledger.changed(cls, call):
         original = vars(cls)[call]
         _ledger.set_attr(cls, call, lookalike(_plaid_search.make_call(original), original))
         for name in loaders:

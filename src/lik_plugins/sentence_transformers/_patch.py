@@ -92,27 +92,10 @@ def _st_modules() -> list:
     ]
 
 
-def _hashable_in(value: Any, table: dict) -> bool:
-    try:
-        return value in table
-    except TypeError:
-        return False
-
-
-def _patched(owner: Any, name: str) -> bool:
-    return any(c.owner is owner and c.name == name for c in _ledger.changes)
-
-
 def _rewrite_defaults(func: Any, to_adapter: dict) -> None:
     func = getattr(func, "__func__", func)
-    if not hasattr(func, "__defaults__") or _patched(func, "__defaults__"):
-        return
-    defaults = func.__defaults__
-    if defaults and any(_hashable_in(d, to_adapter) for d in defaults):
-        _ledger.set_defaults(func, tuple(to_adapter[d] if _hashable_in(d, to_adapter) else d for d in defaults))
-    kwdefaults = func.__kwdefaults__
-    if kwdefaults and any(_hashable_in(v, to_adapter) for v in kwdefaults.values()):
-        _ledger.set_kwdefaults(func, {k: to_adapter[v] if _hashable_in(v, to_adapter) else v for k, v in kwdefaults.items()})
+    if hasattr(func, "__defaults__") and not _ledger.changed(func, "__defaults__"):
+        _ledger.replace_defaults(func, to_adapter)
 
 
 def _instance_slots() -> list[tuple[type, str]]:
@@ -134,9 +117,7 @@ def _apply(layout: STLayout, served: dict) -> None:
     to_original = {adapter: original for original, adapter in served.items()}
     for module in _st_modules():
         # 1. module globals, found by identity (re-exports, the losses' imports)
-        for attr, value in list(vars(module).items()):
-            if _hashable_in(value, to_adapter) and not _patched(module, attr):
-                _ledger.set_attr(module, attr, to_adapter[value])
+        _ledger.replace_globals(module, to_adapter)
         # 2. defaults bound at definition time (none in 6.0 - 6.2; a later 6.x may add some)
         for value in list(vars(module).values()):
             if getattr(value, "__module__", None) != module.__name__:
@@ -148,7 +129,7 @@ def _apply(layout: STLayout, served: dict) -> None:
                 _rewrite_defaults(value, to_adapter)
     # 3. instances built before the patch: losses' similarity_fct, models' resolved similarity
     for cls, attr in _instance_slots():
-        if _patched(cls, attr) or isinstance(vars(cls).get(attr), property):
+        if _ledger.changed(cls, attr) or isinstance(vars(cls).get(attr), property):
             continue
         doc = f"{attr} (sentence-transformers scorers served by lik_plugins)"
         _ledger.set_attr(cls, attr, instance_slot_property(attr, to_adapter, to_original, doc=doc))
