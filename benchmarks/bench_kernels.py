@@ -40,7 +40,7 @@ class Shape:
     d: int = 128
 
 
-SHAPES = [
+ALL_SHAPES = [
     Shape("rerank 1x1000 Lq32 Ld300", "inference", "cross", 1, 1000, 32, 300),
     Shape("search 64x4096 Lq32 Ld256", "inference", "cross", 64, 4096, 32, 256),
     Shape("colpali 16x1000 Lq32 Ld1030", "inference", "cross", 16, 1000, 32, 1030),
@@ -52,11 +52,9 @@ SHAPES = [
     Shape("kd 64x32 Ld256", "train", "kd", 64, 32, 32, 256),
     Shape("hard-neg 256x16 Ld1030", "train", "kd", 256, 16, 32, 1030),
     Shape("pairs 512 Ld256", "train", "pairs", 512, 1, 32, 256),
-]
-# The performance issue's additional shapes: compute-bound forwards (in-batch scoring,
-# Lq 128), a 100k-document rerank (memory-bound), ColPali image queries (Lq 512), and the
-# small REPL / unit-test regime (Nq * Nd <= 64: launch overhead).
-EXTRA_SHAPES = [
+    # The performance issue's additional shapes: compute-bound forwards (in-batch scoring,
+    # Lq 128), a 100k-document rerank (memory-bound), ColPali image queries (Lq 512), and the
+    # small REPL / unit-test regime (Nq * Nd <= 64: launch overhead).
     Shape("in-batch fwd 256 Lq32 Ld256", "inference", "cross", 256, 256, 32, 256),
     Shape("search 64x4096 Lq128 Ld256", "inference", "cross", 64, 4096, 128, 256),
     Shape("rerank 1x100k Lq32 Ld300", "inference", "cross", 1, 100_000, 32, 300),
@@ -64,7 +62,9 @@ EXTRA_SHAPES = [
     Shape("small fwd 8x8 Lq32 Ld256", "inference", "cross", 8, 8, 32, 256),
     Shape("small train 8x8 Lq32 Ld256", "train", "cross", 8, 8, 32, 256),
 ]
-ALL_SHAPES = SHAPES + EXTRA_SHAPES
+# --quick: one shape of each regime
+QUICK_SHAPES = ("rerank 1x1000 Lq32 Ld300", "search 64x4096 Lq32 Ld256", "colpali 16x1000 Lq32 Ld1030",
+                "colbert in-batch 256", "kd 64x32 Ld256")
 
 
 # ---------------------------------------------------------------- implementations
@@ -246,7 +246,7 @@ def run(out_dir: str, quick: bool, runs: int, only: str | None = None):
     ceilings = measure_ceilings()
     print(f"[bench] ceilings: {ceilings}")
     rows = []
-    shapes = SHAPES[:3] + SHAPES[4:5] + SHAPES[8:9] if quick else ALL_SHAPES
+    shapes = [s for s in ALL_SHAPES if s.name in QUICK_SHAPES] if quick else ALL_SHAPES
     if only:
         shapes = [s for s in ALL_SHAPES if any(part in s.name for part in only.split(","))]
     for shape in shapes:

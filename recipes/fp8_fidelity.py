@@ -130,18 +130,53 @@ def markdown(report: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def embedding_parser(description: str, name: str) -> argparse.ArgumentParser:
+    """The options of the recipes that score these embeddings (this one, plaid_rerank.py,
+    whose results are ``<name>.json`` / ``.md``)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="model name or path (default: the bundled all-MiniLM-L6-v2)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--max-pairs", type=int, default=None, help="use the first N pairs (default: all)")
     p.add_argument("--query-length", type=int, default=32)
     p.add_argument("--document-length", type=int, default=180)
     p.add_argument("--seed", type=int, default=0, help="seeds the projection PyLate adds to a plain encoder")
+    p.add_argument("--embeddings", help="score embeddings saved by fp8_fidelity.py --save-embeddings instead of encoding")
+    p.add_argument("--out", help=f"write {name}.json and {name}.md into this folder")
+    return p
+
+
+def load_or_encode(args) -> dict:
+    """The embeddings saved at ``--embeddings``, or encoded now (the bundled model unless
+    ``--model``); ``args.device`` defaults to cuda when available."""
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.embeddings:
+        return torch.load(args.embeddings)
+    import _common
+
+    bundled = args.model is None
+    if bundled:
+        args.model = _common.default_model()
+    emb = encode(args)
+    emb["model"] = "all-MiniLM-L6-v2 (bundled) + PyLate projection" if bundled else str(args.model)
+    return emb
+
+
+def write_results(out: str | None, name: str, meta: dict, report: dict, md: str) -> None:
+    """``<name>.json`` (meta + report) and ``<name>.md`` into the folder ``out``, if given."""
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump({"meta": meta, **report}, f, indent=1)
+        with open(os.path.join(out, f"{name}.md"), "w") as f:
+            f.write(md)
+
+
+def parse_args(argv=None):
+    p = embedding_parser(__doc__.split("\n\n")[0], "fp8_fidelity")
     p.add_argument("--save-embeddings", help="encode and save the embeddings to this .pt file, then stop")
-    p.add_argument("--embeddings", help="score embeddings saved by --save-embeddings instead of encoding")
-    p.add_argument("--out", help="write fp8_fidelity.json and fp8_fidelity.md into this folder")
     args = p.parse_args(argv)
     args.dtype = "float32"
     return args
@@ -151,22 +186,11 @@ def main(argv=None) -> dict:
     import torch
 
     args = parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.embeddings:
-        emb = torch.load(args.embeddings)
-    else:
-        import _common
-
-        bundled = args.model is None
-        if bundled:
-            args.model = _common.default_model()
-        emb = encode(args)
-        emb["model"] = "all-MiniLM-L6-v2 (bundled) + PyLate projection" if bundled else str(args.model)
-        if args.save_embeddings:
-            torch.save(emb, args.save_embeddings)
-            print(f"saved {emb['queries'].shape[0]} queries and passages to {args.save_embeddings}")
-            return {}
+    emb = load_or_encode(args)
+    if args.save_embeddings and not args.embeddings:
+        torch.save(emb, args.save_embeddings)
+        print(f"saved {emb['queries'].shape[0]} queries and passages to {args.save_embeddings}")
+        return {}
     start = time.perf_counter()
     report = fidelity(score_all(emb, args.device))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
@@ -178,12 +202,7 @@ def main(argv=None) -> dict:
     meta["routing"] = routing_counts()
     md = markdown(report, meta)
     print(md)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fp8_fidelity.json"), "w") as f:
-            json.dump({"meta": meta, **report}, f, indent=1)
-        with open(os.path.join(args.out, "fp8_fidelity.md"), "w") as f:
-            f.write(md)
+    write_results(args.out, "fp8_fidelity", meta, report, md)
     return report
 
 

@@ -17,8 +17,6 @@ exact bf16 scoring of every passage (one query at a time, as a server answers th
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -144,22 +142,12 @@ def markdown(rep: dict, meta: dict) -> str:
 def parse_args(argv=None):
     import fp8_fidelity
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="model name or path (default: the bundled all-MiniLM-L6-v2)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
-    p.add_argument("--max-pairs", type=int, default=None, help="use the first N pairs (default: all)")
-    p.add_argument("--query-length", type=int, default=32)
-    p.add_argument("--document-length", type=int, default=180)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--embeddings", help="embeddings saved by fp8_fidelity.py --save-embeddings")
+    p = fp8_fidelity.embedding_parser(__doc__.split("\n\n")[0], "plaid_rerank")
     p.add_argument("--nbits", type=int, nargs="+", default=[2, 4])
     p.add_argument("--centroids", type=int, default=256)
     p.add_argument("--candidates", type=int, default=100)
-    p.add_argument("--out", help="write plaid_rerank.json and plaid_rerank.md into this folder")
     args = p.parse_args(argv)
     args.dtype = "float32"
-    del fp8_fidelity
     return args
 
 
@@ -169,18 +157,7 @@ def main(argv=None) -> dict:
     import fp8_fidelity
 
     args = parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.embeddings:
-        emb = torch.load(args.embeddings)
-    else:
-        import _common
-
-        bundled = args.model is None
-        if bundled:
-            args.model = _common.default_model()
-        emb = fp8_fidelity.encode(args)
-        emb["model"] = "all-MiniLM-L6-v2 (bundled) + PyLate projection" if bundled else str(args.model)
+    emb = fp8_fidelity.load_or_encode(args)
     rep = report(emb, args)
     from lik_plugins import routing_counts
 
@@ -189,12 +166,7 @@ def main(argv=None) -> dict:
             "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))}
     md = markdown(rep, meta)
     print(md)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "plaid_rerank.json"), "w") as f:
-            json.dump({"meta": meta, **rep}, f, indent=1)
-        with open(os.path.join(args.out, "plaid_rerank.md"), "w") as f:
-            f.write(md)
+    fp8_fidelity.write_results(args.out, "plaid_rerank", meta, rep, md)
     return rep
 
 

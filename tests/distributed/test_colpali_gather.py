@@ -38,16 +38,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from support.dist_launch import require_distributed, run_ranks
 
-pytest.importorskip("colpali_engine")
-pytest.importorskip("datasets")
-pytest.importorskip("accelerate")
-torch = pytest.importorskip("torch")
-if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+require_distributed("colpali_engine", "datasets", "accelerate")
 
-from support.dist_launch import run_ranks  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 WORLD, BATCH = 2, 4

@@ -24,6 +24,17 @@ TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
 
 
+def require_distributed(*modules: str) -> None:
+    """Skip the calling test module unless ``modules`` import and torch.distributed has gloo."""
+    import pytest
+
+    for name in modules:
+        pytest.importorskip(name)
+    torch = pytest.importorskip("torch")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -10,17 +10,7 @@ pytest.importorskip("pylate")
 import torch  # noqa: E402
 
 from lik_plugins import reset_routing_counts, routing_counts  # noqa: E402
-from lik_plugins.pylate import patch_pylate, unpatch_pylate  # noqa: E402
-
-
-@pytest.fixture
-def patched(monkeypatch):
-    monkeypatch.delenv("PYLATE_SCORES_BACKEND", raising=False)
-    monkeypatch.delenv("LIK_DISABLE", raising=False)
-    layout = patch_pylate()
-    reset_routing_counts()
-    yield layout
-    unpatch_pylate()
+from lik_plugins.pylate import unpatch_pylate  # noqa: E402
 
 
 def _corpus(seed, nq=4, c=(9, 1, 14, 6), dtype=torch.float32):

@@ -16,16 +16,6 @@ from lik_plugins.pylate import patch_pylate, unpatch_pylate  # noqa: E402
 OURS = {"triton", "metal", "torch-chunked", "reference"}
 
 
-@pytest.fixture
-def patched(monkeypatch):
-    monkeypatch.delenv("PYLATE_SCORES_BACKEND", raising=False)
-    monkeypatch.delenv("LIK_DISABLE", raising=False)
-    layout = patch_pylate()
-    reset_routing_counts()
-    yield layout
-    unpatch_pylate()
-
-
 def _holes(shape, g, p=0.3):
     mask = torch.rand(shape, generator=g) > p
     return mask
