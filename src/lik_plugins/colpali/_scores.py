@@ -6,6 +6,8 @@ so every adapter casts back to it.
 """
 from __future__ import annotations
 
+from operator import attrgetter, itemgetter
+
 import torch
 
 from .._config import disabled, scores_backend
@@ -34,16 +36,19 @@ def use_original() -> bool:
 def eligible(*tensors: torch.Tensor) -> bool:
     """Our ops serve these inputs exactly as colpali's einsum would: floating tensors of one
     dtype on one device, non-empty, same embedding dim.  Anything else runs the original
-    code (which raises colpali's own error where it has one)."""
+    code (which raises colpali's own error where it has one).  Each check maps a C-level
+    getter over the inputs: ``score_multi_vector`` passes thousands of passages a call."""
     first = tensors[0]
-    for t in tensors:
-        if not torch.is_tensor(t) or not t.is_floating_point():
-            return False
-        if t.device != first.device or t.dtype != first.dtype or t.numel() == 0:
-            return False
-        if t.shape[-1] != first.shape[-1]:
-            return False
-    return True
+    if not all(issubclass(kind, torch.Tensor) for kind in set(map(type, tensors))):
+        return False
+    if set(map(_DTYPE, tensors)) != {first.dtype} or not first.is_floating_point():
+        return False
+    if set(map(_DEVICE, tensors)) != {first.device} or 0 in map(torch.Tensor.numel, tensors):
+        return False
+    return len(set(map(_LAST, map(_SHAPE, tensors)))) == 1
+
+
+_DTYPE, _DEVICE, _SHAPE, _LAST = attrgetter("dtype"), attrgetter("device"), attrgetter("shape"), itemgetter(-1)
 
 
 def _ops():
@@ -109,11 +114,11 @@ def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
     table = candidate_table(passages, dtype, dim, target, extra=[q.shape[0] for q in queries])
     if isinstance(table, str):
         return None
-    lengths = table.host_lengths
-    longest = [max(lengths[j0:j0 + batch_size]) for j0 in range(0, len(lengths), batch_size)]
+    # colpali's chunks of batch_size passages, each padded to its longest: on the device
     n_p = len(passages)
-    chunk = torch.arange(n_p, device=target) // batch_size
-    pad = table.lengths < torch.tensor(longest).to(target, non_blocking=True)[chunk]
+    n_chunks = -(-n_p // batch_size)
+    chunked = torch.nn.functional.pad(table.lengths, (0, n_chunks * batch_size - n_p)).view(n_chunks, batch_size)
+    pad = (chunked < chunked.amax(dim=1, keepdim=True)).view(-1)[:n_p]
     with torch.no_grad():   # every query against every passage: [n_q, n_p]
         scores = score_table(queries, table.extra, table, None, pad, round_maxima=True)
     scores = scores.to(dtype).cpu().to(torch.float32)

@@ -20,6 +20,7 @@ rows' maxima (:func:`score_listed`).
 from __future__ import annotations
 
 import array
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import torch
@@ -178,6 +179,11 @@ def score_table(queries: list, q_lens: torch.Tensor, table: "Table", query_index
                         query_index, pad, round_maxima)
 
 
+# C-level getters for the passes over a candidate list
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+
+
 class Table(NamedTuple):
     """A candidate list on the scoring device: what :func:`score_listed` reads."""
     addresses: torch.Tensor   # int64 [N]: each candidate's first token
@@ -195,26 +201,30 @@ def candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torc
     cannot be read in place.
 
     Candidates already on ``device`` are read where they lie: a few passes over the list read
-    each one's address and length (no copy of any token; the checks are one fused generator,
+    each one's address and length (no copy of any token; each pass maps one C-level getter
+    over the list -- no Python frame per tensor, which a list of thousands would feel -- and
     the integers go to the device through one buffer).  Candidates on the CPU for a CUDA
     ``device`` are copied once into one pinned staging buffer and moved in one transfer;
     their addresses are then offsets into that buffer, computed on the device."""
     tensor = torch.Tensor
-    if not all(type(t) is tensor and t.dtype is dtype and t.dim() == 2 and t.shape[1] == dim for t in candidates):
+    if set(map(type, candidates)) != {tensor} or set(map(_DTYPE, candidates)) != {dtype}:
         return f"candidates must be [Ld, {dim}] tensors of {dtype}"
-    sources = {t.get_device() for t in candidates}        # an index, -1 on the CPU (no device objects)
+    shapes = list(map(_SHAPE, candidates))
+    if set(map(len, shapes)) != {2} or set(map(_SECOND, shapes)) != {dim}:
+        return f"candidates must be [Ld, {dim}] tensors of {dtype}"
+    sources = set(map(tensor.get_device, candidates))     # an index, -1 on the CPU (no device objects)
     if len(sources) != 1:
         return "candidates must lie on one device"
     source = sources.pop()
     target = -1 if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
-    lengths = [t.shape[0] for t in candidates]
+    lengths = list(map(_FIRST, shapes))
     n = len(candidates)
     row_bytes = dim * torch.empty((), dtype=dtype).element_size()
     if source == target:
         # the kernel's addressing: rows dim elements apart, elements adjacent
-        if not all(t.is_contiguous() for t in candidates):
+        if not all(map(tensor.is_contiguous, candidates)):
             return "candidates must be contiguous"
-        host = torch.frombuffer(array.array("q", [t.data_ptr() for t in candidates] + lengths + list(extra)),
+        host = torch.frombuffer(array.array("q", list(map(tensor.data_ptr, candidates)) + lengths + list(extra)),
                                 dtype=torch.int64)
         if bool((host[:n] % 16).any()):
             # the kernel's loads are 16-byte vectors; an odd offset would fault
