@@ -19,12 +19,17 @@ def _hide(monkeypatch, package: str) -> None:
     monkeypatch.setitem(sys.modules, package, None)
 
 
-def test_patch_pylate_without_pylate_gives_a_command_that_keeps_torch(monkeypatch):
-    lik_plugins.unpatch_pylate()
-    _hide(monkeypatch, "pylate")
+def _error_without(monkeypatch, package: str, unpatch, patch) -> ImportError:
+    """The ImportError ``patch()`` raises where ``package`` is not installed."""
+    unpatch()
+    _hide(monkeypatch, package)
     with pytest.raises(ImportError) as info:
-        lik_plugins.patch_pylate()
-    message = str(info.value)
+        patch()
+    return info.value
+
+
+def test_patch_pylate_without_pylate_gives_a_command_that_keeps_torch(monkeypatch):
+    message = str(_error_without(monkeypatch, "pylate", lik_plugins.unpatch_pylate, lik_plugins.patch_pylate))
     # PyLate's own metadata pulls fast-plaid, which pins one torch: the hint installs the
     # other dependencies, then PyLate alone
     assert "pip install --no-deps pylate==1.6.0" in message and "fast-plaid" not in message.split("README")[0]
@@ -32,15 +37,13 @@ def test_patch_pylate_without_pylate_gives_a_command_that_keeps_torch(monkeypatc
 
 
 def test_patch_colpali_without_colpali_gives_a_command_that_keeps_torch(monkeypatch):
-    lik_plugins.unpatch_colpali_engine()
-    _hide(monkeypatch, "colpali_engine")
-    with pytest.raises(ImportError) as info:
-        lik_plugins.patch_colpali_engine()
-    message = str(info.value)
+    error = _error_without(monkeypatch, "colpali_engine", lik_plugins.unpatch_colpali_engine,
+                           lik_plugins.patch_colpali_engine)
+    message = str(error)
     # no torchvision: PyPI's is built for a CUDA torch and breaks a CPU torch's transformers
     assert "pip install --no-deps colpali-engine==0.3.18" in message and "torchvision" not in message
     assert "lik_plugins[" not in message
-    assert isinstance(info.value.__cause__, ImportError)  # the original error stays attached
+    assert isinstance(error.__cause__, ImportError)  # the original error stays attached
     from lik_plugins.colpali import patch
 
     assert not patch.is_patched()

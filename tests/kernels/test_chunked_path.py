@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 import lik_plugins as lik
 from lik_plugins.kernels import chunked, reference
 from support.maxsim_testlib import (
-    LAYOUTS, MASK_MODES, check_against_reference, check_nan_query_poisons_only_its_scores,
+    LAYOUTS, MASK_MODES, check_against_reference, check_exact_ties, check_nan_query_poisons_only_its_scores,
     check_nonfinite_masked_tokens_are_ignored, check_property_case, expected_argmax, generator, make_inputs, op,
-    property_cases, rel_err, noncontiguous_inputs, tied_inputs,
+    property_cases, rel_err, noncontiguous_inputs,
 )
 
 SHAPES = {
@@ -237,13 +237,4 @@ def test_property_matches_reference(case, budget):
 def test_exact_ties_go_to_the_lowest_index(gen, monkeypatch, layout, budget):
     if budget is not None:
         monkeypatch.setenv("LIK_CHUNK_ELEMENTS", budget)
-    ld, d = 70, 16
-    Q, D = tied_inputs(gen, layout, 2, 2, 4, ld, d, copies=(3, 67, 10))
-    _, arg = chunked.forward(Q, D, None, None, cross=layout == "cross", normalize=False, zero_mode=False,
-                             save_argmax=True)
-    first = arg[:, 0] if layout == "cross" else arg[0, 0]
-    assert (first == 3).all(), first
-    _, _, gd = check_against_reference(layout, Q, D, None, None, gen=gen)
-    doc0 = gd.reshape(-1, ld, d)[0]
-    assert doc0[3].abs().sum() > 0
-    assert torch.equal(doc0[10], torch.zeros(d)) and torch.equal(doc0[67], torch.zeros(d))
+    check_exact_ties(gen, layout, chunked.forward)

@@ -19,7 +19,7 @@ import lik_plugins as lik
 from lik_plugins._config import triton_interpret
 from lik_plugins.kernels import dispatch, reference
 from support.maxsim_testlib import (
-    LAYOUTS, MASK_MODES, check_against_reference, check_nan_query_poisons_only_its_scores,
+    LAYOUTS, MASK_MODES, check_against_reference, check_exact_ties, check_nan_query_poisons_only_its_scores,
     check_nonfinite_masked_tokens_are_ignored, check_property_case, expected_argmax, force_forward_block_n, generator,
     make_inputs, op, property_cases, rel_err, noncontiguous_inputs, tied_inputs,
 )
@@ -325,21 +325,9 @@ def test_float64_is_refused_with_a_reason(gen):
 @pytest.mark.parametrize("backward", ["lowmem", "unified"])
 @pytest.mark.parametrize("layout", ["cross", "kd"])
 def test_exact_ties_go_to_the_lowest_index(gen, layout, backward, lowmem_rows):
-    """Token 3 of document 0 is copied to 67 (same column of the next BLOCK_N=64 tile) and
-    to 10 (same tile): the argmax and the gradient must pick token 3."""
     from lik_plugins.kernels.triton import launch
 
-    ld, d = 70, 16
-    Q, D = tied_inputs(gen, layout, 2, 2, 4, ld, d, copies=(3, 67, 10))
-    _, arg = launch.forward(Q, D, None, None, cross=layout == "cross", normalize=False, zero_mode=False,
-                            save_argmax=True)
-    first = arg[:, 0] if layout == "cross" else arg[0, 0]
-    assert (first == 3).all(), first
-    assert torch.equal(arg.long(), expected_argmax(Q, D, None, None, layout, "exclude"))
-    _, _, gd = check_against_reference(layout, Q, D, None, None, gen=gen, backward=backward)
-    doc0 = gd.reshape(-1, ld, d)[0]
-    assert doc0[3].abs().sum() > 0
-    assert torch.equal(doc0[10], torch.zeros(d)) and torch.equal(doc0[67], torch.zeros(d))
+    check_exact_ties(gen, layout, launch.forward, backward=backward)
 
 
 def test_nan_in_masked_query_tokens_never_reaches_a_gradient(gen, lowmem_rows):

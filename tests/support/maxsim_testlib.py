@@ -285,6 +285,23 @@ def check_nonfinite_masked_tokens_are_ignored(gen) -> None:
     assert rel_err(lik.maxsim(Q, D, qm, dm), ref) < 2e-5
 
 
+def check_exact_ties(gen, layout: str, forward, **kw) -> None:
+    """Token 3 of document 0 is copied to 67 (same column of the next 64-token tile) and to
+    10 (same tile): the argmax of ``forward(Q, D, None, None, cross=..., normalize=False,
+    zero_mode=False, save_argmax=True)`` and the gradient (``kw`` for
+    :func:`check_against_reference`) must pick token 3, as the reference does."""
+    ld, d = 70, 16
+    Q, D = tied_inputs(gen, layout, 2, 2, 4, ld, d, copies=(3, 67, 10))
+    _, arg = forward(Q, D, None, None, cross=layout == "cross", normalize=False, zero_mode=False, save_argmax=True)
+    first = arg[:, 0] if layout == "cross" else arg[0, 0]
+    assert (first == 3).all(), first
+    assert torch.equal(arg.long(), expected_argmax(Q, D, None, None, layout, "exclude"))
+    _, _, gd = check_against_reference(layout, Q, D, None, None, gen=gen, **kw)
+    doc0 = gd.reshape(-1, ld, d)[0]
+    assert doc0[3].abs().sum() > 0
+    assert torch.equal(doc0[10], torch.zeros(d)) and torch.equal(doc0[67], torch.zeros(d))
+
+
 def _triton_interpretable() -> bool:
     from lik_plugins._config import triton_interpret
     from lik_plugins.kernels import dispatch
