@@ -40,7 +40,7 @@ import lik_plugins as lik  # noqa: E402
 from lik_plugins.ops import plaid  # noqa: E402
 from lik_plugins.kernels import reference  # noqa: E402
 
-from bench_kernels import environment, measure_ceilings  # noqa: E402
+from bench_kernels import environment, measure_ceilings, peak_bytes  # noqa: E402
 
 
 def _time(fn, reps: int, cuda: bool, warmup: int = 3) -> dict:
@@ -79,17 +79,6 @@ def _time(fn, reps: int, cuda: bool, warmup: int = 3) -> dict:
     return {"ms": statistics.median(samples), "p10_ms": pick(0.1), "p90_ms": pick(0.9), "pipelined_ms": pipelined}
 
 
-def _peak(fn, cuda: bool):
-    if not cuda:
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def _rel(out, ref):
     out = out.float().reshape(ref.shape)
     return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
@@ -114,7 +103,7 @@ def _measure(rows, group, name, fn, ref, reps, cuda, floor_bytes=None, bw=None, 
         if own_ref is not None:
             row["own_err"] = _rel(out, own_ref)
         del out
-        row["peak_bytes"] = _peak(fn, cuda)
+        row["peak_bytes"] = peak_bytes(fn, cuda)
         row.update(_time(fn, reps, cuda))
         if floor_bytes is not None:
             row["floor_bytes"] = floor_bytes

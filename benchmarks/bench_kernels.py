@@ -208,6 +208,18 @@ def _time(fn, n_inputs, reps=50, warmup=5):
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def peak_bytes(fn, cuda: bool):
+    """CUDA memory one call of ``fn`` allocates above what was allocated before it; None on a CPU."""
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def bench_one(impl, shape: Shape, input_sets, ref32, reps):
     train = shape.kind == "train"
     grads = [torch.randn(ref32.shape, device="cuda") for _ in range(len(input_sets))] if train else None
@@ -228,12 +240,7 @@ def bench_one(impl, shape: Shape, input_sets, ref32, reps):
     del out
     for Q, D in input_sets:
         Q.grad = D.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step(0)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = peak_bytes(lambda: step(0), cuda=True)
     for Q, D in input_sets:
         Q.grad = D.grad = None
     ms = _time(step, len(input_sets), reps=reps)

@@ -42,6 +42,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "src")  # this checkout's lik_plugins
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lik_plugins as lik  # noqa: E402
+from bench_kernels import peak_bytes  # noqa: E402
 
 
 def _timer(fn, reps, cuda):
@@ -69,14 +70,9 @@ def _timer(fn, reps, cuda):
 
 
 def _peak(fn, cuda):
-    if not cuda:
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    """Peak MB of one call above the memory allocated before it (None on a CPU)."""
+    peak = peak_bytes(fn, cuda)
+    return None if peak is None else peak / 2**20
 
 
 PROFILE = False    # --profile: each row also gets its host time and GPU kernels per call
@@ -271,10 +267,10 @@ def case_candidates(c: Child):
                      note="pairs gathered outside the timing")
 
 
-def case_train(c: Child):
-    s, g = c.s, c.generator()
-    Qp, cu_q, mq = lik.pack(c.ragged(s["train_b"], max(1, s["lq"] // 2), s["lq"], g))
-    Dp, cu_d, md = lik.pack(c.ragged(s["train_b"], *s["ld"], g))
+def _record_training(c: Child, queries: tuple, documents: tuple):
+    """Record one packed training step (forward + backward of this child's ``maxsim_varlen``)
+    over ``queries`` and ``documents`` (each ``lik.pack``'s triple); returns the step builder."""
+    (Qp, cu_q, mq), (Dp, cu_d, md) = queries, documents
     Qp.requires_grad_()
     Dp.requires_grad_()
 
@@ -290,6 +286,13 @@ def case_train(c: Child):
         c.record("lik_plugins", train(lik.maxsim_varlen), save_ref=True)
     else:
         c.record(c.impl, train(c.peer().maxsim_varlen))
+    return train
+
+
+def case_train(c: Child):
+    s, g = c.s, c.generator()
+    _record_training(c, lik.pack(c.ragged(s["train_b"], max(1, s["lq"] // 2), s["lq"], g)),
+                     lik.pack(c.ragged(s["train_b"], *s["ld"], g)))
 
 
 def case_pair_list(c: Child):
@@ -321,28 +324,12 @@ def case_ho_train(c: Child):
     ``lik_plugins 128-row blocks``: the forward's query block capped at 128 rows (A/B)."""
     s, g = c.s, c.generator()
     b, lq, ld = s["ho_train"]
-    Qp, cu_q, mq = lik.pack(c.ragged(b, *lq, g))
-    Dp, cu_d, md = lik.pack(c.ragged(b, *ld, g))
-    Qp.requires_grad_()
-    Dp.requires_grad_()
-
-    def train(fn):
-        def step():
-            Qp.grad = Dp.grad = None
-            out = fn(Qp, Dp, cu_q, cu_d, mq, md)
-            out.backward(torch.ones_like(out))
-            return out.detach()
-        return step
-
-    if c.impl == "lik_plugins":
-        c.record("lik_plugins", train(lik.maxsim_varlen), save_ref=True)
-        if c.cuda and CONFIG_AB:
-            step = train(lik.maxsim_varlen)
-            c.record_configs("lik_plugins", step, [(64, 8, 2)])
-            c.record_configs("lik_plugins", step, [None], block_m=128)
-            c.record_configs("lik_plugins", step, [None], block_m=64)
-    else:
-        c.record(c.impl, train(c.peer().maxsim_varlen))
+    train = _record_training(c, lik.pack(c.ragged(b, *lq, g)), lik.pack(c.ragged(b, *ld, g)))
+    if c.impl == "lik_plugins" and c.cuda and CONFIG_AB:
+        step = train(lik.maxsim_varlen)
+        c.record_configs("lik_plugins", step, [(64, 8, 2)])
+        c.record_configs("lik_plugins", step, [None], block_m=128)
+        c.record_configs("lik_plugins", step, [None], block_m=64)
 
 
 def case_ho_pairs(c: Child):
