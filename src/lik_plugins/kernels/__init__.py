@@ -4,4 +4,5 @@
 * :mod:`.chunked` — bounded-memory PyTorch path (CPU and fallback).
 * :mod:`.triton` — fused Triton kernels (imported lazily).
 * :mod:`.dispatch` — which of them serves a call.
+* :mod:`.device` — the facts of the device a call runs on (Triton present, capability, SMs).
 """

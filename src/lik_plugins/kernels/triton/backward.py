@@ -39,10 +39,10 @@ def _project(b_g, b_x, b_r):
 
 
 @triton.jit
-def _gather_rows(pid, Q, RQ, lq, dim, s_qi, s_qs, s_qh, NORMALIZE: tl.constexpr, BLOCK_S: tl.constexpr,
-                 D_PAD: tl.constexpr):
+def _gather_rows(pid, Q, RQ, lq, dim, s_q, NORMALIZE: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr):
     """Program ``pid``'s query and token block: (query, tokens, token mask, dim mask,
     fp32 rows, q_hat rows, 1/||q||) -- the rows are loaded once for the whole walk."""
+    s_qi, s_qs, s_qh = s_q
     n_sb = tl.cdiv(lq, BLOCK_S)
     i_q = (pid // n_sb).to(tl.int64)
     o_s = (pid % n_sb) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -58,25 +58,25 @@ def _gather_rows(pid, Q, RQ, lq, dim, s_qi, s_qs, s_qh, NORMALIZE: tl.constexpr,
 
 @triton.jit
 def _gather_walk(
-    b_acc, i_q, o_s, m_s, m_h, b_qs, j_lo, j_hi,
-    G, D, RD, ARG, GD32,
-    lq, dim,
-    s_gi, s_gj,
-    s_di, s_dj, s_dt, s_dh,
-    s_rdi, s_rdj,
-    s_gdi, s_gdj, s_ai, gd_j0,
-    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_J: tl.constexpr, D_PAD: tl.constexpr,
+    b_acc, i_q, o_s, m_s, m_h, b_qs, j_lo, j_hi, G, D, RD, ARG, GD32, lq, dim, s_g, s_d, s_rd, s_gd, s_ai, gd_j0,
+    NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_J: tl.constexpr, D_PAD: tl.constexpr,
     CU_D=None, PAIR_D=None, VARLEN: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
     # BLOCK_J documents per step, unrolled: BLOCK_J * BLOCK_S independent row gathers in
     # flight instead of one dependent (argmax -> row) load chain per document.  Each
     # document is its own [BLOCK_S, D_PAD] tile: one 3-D [BLOCK_J, BLOCK_S, D_PAD] tile
-    # summed over its first axis is slower at BLOCK_J >= 4 (the sum crosses warps).  grad_Q accumulates in ``b_acc``; with SCATTER_D,
-    # ``g * q`` goes to GD32 (document ``j`` at ``j - gd_j0``) with relaxed atomics.
+    # summed over its first axis is slower at BLOCK_J >= 4 (the sum crosses warps).  grad_Q
+    # accumulates in ``b_acc``; with SCATTER_D, ``g * q`` goes to GD32 (document ``j`` at
+    # ``j - gd_j0``) with relaxed atomics.  Strides come as tuples: s_g (grad: query,
+    # document), s_d (documents: query, document, token, dim), s_rd (inverse norms), s_gd
+    # (GD32: query, document).
     # VARLEN (packed documents, zero document strides): document ``j`` starts at packed row
     # CU_D[j] -- or CU_D[PAIR_D[i_q]] for PAIRS, where ``i_q`` is a pair with one document --
     # and its inverse norms and fp32 gradient rows are packed alike.
+    s_gi, s_gj = s_g
+    s_di, s_dj, s_dt, s_dh = s_d
+    s_rdi, s_rdj = s_rd
+    s_gdi, s_gdj = s_gd
     o_h = tl.arange(0, D_PAD)
     for j0 in range(j_lo, j_hi, BLOCK_J):
         for jj in tl.static_range(BLOCK_J):
@@ -123,28 +123,18 @@ def _store_grad_q(GQ, b_acc, b_q, b_rq, row0, o_s, m_s, m_h, dim, NORMALIZE: tl.
 
 @triton.jit
 def _gather_body(
-    pid,
-    G, Q, D, RQ, RD, ARG, GQ, GD32,
-    n_q, n_j, lq, ld, dim,
-    s_gi, s_gj,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_rdi, s_rdj,
-    s_gdi, s_gdj, s_ai,
-    n_split, j_per_split,
+    pid, G, Q, D, RQ, RD, ARG, GQ, GD32, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, s_gd, s_ai, n_split, j_per_split,
     NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, PARTIAL: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
 ):
     # Few queries (rerank) split their documents over ``n_split`` programs; fp32 partials
     # (PARTIAL) are then summed on the host in a fixed order, so grad_Q stays deterministic.
     i_split = pid % n_split
-    i_q, o_s, m_s, m_h, b_q, b_qs, b_rq = _gather_rows(
-        pid // n_split, Q, RQ, lq, dim, s_qi, s_qs, s_qh, NORMALIZE, BLOCK_S, D_PAD)
+    i_q, o_s, m_s, m_h, b_q, b_qs, b_rq = _gather_rows(pid // n_split, Q, RQ, lq, dim, s_q, NORMALIZE, BLOCK_S, D_PAD)
     j_lo = i_split * j_per_split
     b_acc = _gather_walk(
         tl.zeros([BLOCK_S, D_PAD], tl.float32), i_q, o_s, m_s, m_h, b_qs, j_lo, tl.minimum(j_lo + j_per_split, n_j),
-        G, D, RD, ARG, GD32, lq, dim, s_gi, s_gj, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_gdi, s_gdj, s_ai, 0,
-        NEED_Q, SCATTER_D, NORMALIZE, BLOCK_J, D_PAD,
+        G, D, RD, ARG, GD32, lq, dim, s_g, s_d, s_rd, s_gd, s_ai, 0, NEED_Q, SCATTER_D, NORMALIZE, BLOCK_J, D_PAD,
     )
     if NEED_Q:
         if PARTIAL:
@@ -156,18 +146,48 @@ def _gather_body(
 
 
 @triton.jit
+def _riding_gather(G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, s_ai,
+                   NORMALIZE: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr):
+    """grad_Q by the first programs of a grad_D launch: the gather, unsplit, scattering nothing."""
+    _gather_body(tl.program_id(0), G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, (0, 0), s_ai, 1, n_j,
+                 True, False, NORMALIZE, False, BLOCK_J, BLOCK_S, D_PAD)
+
+
+@triton.jit
+def _rides(n_gather_programs, WITH_GATHER: tl.constexpr):
+    """This program of a grad_D launch gathers grad_Q (``_riding_gather``): with
+    ``WITH_GATHER``, the first ``n_gather_programs`` do."""
+    if WITH_GATHER:
+        return tl.program_id(0) < n_gather_programs
+    else:
+        return False
+
+
+@triton.jit
+def _tile_program(n_gather_programs, WITH_GATHER: tl.constexpr):
+    """The grad_D tile this program owns when it does not gather: numbered from 0 after the
+    gather's programs."""
+    if WITH_GATHER:
+        return tl.program_id(0) - n_gather_programs
+    else:
+        return tl.program_id(0)
+
+
+@triton.jit
 def _doc_winners(ARG, o_rr, r_hi, i_j, n_j, lq):
     """Winning token in document ``i_j`` of the flat query rows ``o_rr`` (-1: none)."""
     return tl.load(ARG + ((o_rr // lq) * n_j + i_j) * lq + o_rr % lq, mask=o_rr < r_hi, other=-1).to(tl.int32)
 
 
 @triton.jit
-def _one_hot_round(b_acc, b_a, i_q, i_s, m_r, o_t, o_h, m_h, i_j, G, Q, RQ, lq, s_gi, s_gj, s_qi, s_qs, s_qh,
+def _one_hot_round(b_acc, b_a, i_q, i_s, m_r, o_t, o_h, m_h, i_j, G, Q, RQ, lq, s_g, s_q,
                    NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                    GUARD_ROWS: tl.constexpr):
     """One round of a grad_D tile's one-hot product: query rows ``(i_q, i_s)`` (valid where
     ``m_r``) whose winning token ``b_a`` (-1: none) is among ``o_t`` add ``g * q`` to that
     token's row of ``b_acc``."""
+    s_gi, s_gj = s_g
+    s_qi, s_qs, s_qh = s_q
     b_g = tl.load(G + i_q * s_gi + i_j * s_gj, mask=m_r, other=0.0)
     if NORMALIZE:
         b_g = b_g * tl.load(RQ + i_q * lq + i_s, mask=m_r, other=0.0)
@@ -189,17 +209,9 @@ def _one_hot_round(b_acc, b_a, i_q, i_s, m_r, o_t, o_h, m_h, i_j, G, Q, RQ, lq, 
 
 @triton.jit
 def _doc_body(
-    pid,
-    G, Q, D, RQ, RD, ARG, GD,
-    n_q, n_j, lq, ld, dim,
-    s_gi, s_gj,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_rdi, s_rdj,
-    CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
-    GUARD_ROWS: tl.constexpr,
+    pid, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_g, s_q, s_d, s_rd,
+    CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr, GUARD_ROWS: tl.constexpr,
 ):
     n_tb = tl.cdiv(ld, BLOCK_T)
     i_doc = (pid // n_tb).to(tl.int64)
@@ -232,17 +244,17 @@ def _doc_body(
         b_a_next = _doc_winners(ARG, r0 + BLOCK_R + o_r, r_hi, i_j, n_j, lq)
         o_rr = r0 + o_r
         b_acc = _one_hot_round(b_acc, b_a, o_rr // lq, o_rr % lq, o_rr < r_hi, o_t, o_h, m_h, i_j, G, Q, RQ, lq,
-                               s_gi, s_gj, s_qi, s_qs, s_qh, NORMALIZE, F32_DOT, PRECISION, UPCAST, GUARD_ROWS)
+                               s_g, s_q, NORMALIZE, F32_DOT, PRECISION, UPCAST, GUARD_ROWS)
 
-    _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
-                  s_rdi, s_rdj, NORMALIZE)
+    _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s_d, s_rd, NORMALIZE)
 
 
 @triton.jit
-def _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
-                  s_rdi, s_rdj, NORMALIZE: tl.constexpr):
+def _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s_d, s_rd, NORMALIZE: tl.constexpr):
     """Write the fp32 ``[BLOCK_T, D_PAD]`` grad_D tile of document ``i_doc`` (tokens
     ``o_t``), through the normalisation Jacobian when ``NORMALIZE``."""
+    s_di, s_dj, s_dt, s_dh = s_d
+    s_rdi, s_rdj = s_rd
     o_h = tl.arange(0, b_acc.shape[1])
     p_d = D + i_own * s_di + i_j * s_dj
     if NORMALIZE:
@@ -256,15 +268,8 @@ def _store_grad_d(b_acc, D, RD, GD, i_own, i_j, i_doc, o_t, m_t, m_h, ld, dim, s
 
 @triton.jit
 def _compact_doc_body(
-    pid,
-    G, Q, D, RQ, RD, ARG, ROWS, GD,
-    n_q, n_j, lq, ld, dim,
-    s_gi, s_gj,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_rdi, s_rdj,
-    NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    pid, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_g, s_q, s_d, s_rd,
+    NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr, SCAN: tl.constexpr,
 ):
     # The cross product's grad_D tile (document j, tokens t0..t1) from only the query rows
@@ -311,43 +316,34 @@ def _compact_doc_body(
         b_a = tl.where(m_k, _doc_winners(ARG, b_r, n_rows, i_j, n_j, lq), -1)
         # a listed row always has a winner: nothing to guard
         b_acc = _one_hot_round(b_acc, b_a, b_r // lq, b_r % lq, m_k, o_t, o_h, m_h, i_j, G, Q, RQ, lq,
-                               s_gi, s_gj, s_qi, s_qs, s_qh, NORMALIZE, F32_DOT, PRECISION, UPCAST, False)
-    _store_grad_d(b_acc, D, RD, GD, i_j * 0, i_j, i_j, o_t, m_t, m_h, ld, dim, s_di, s_dj, s_dt, s_dh,
-                  s_rdi, s_rdj, NORMALIZE)
+                               s_g, s_q, NORMALIZE, F32_DOT, PRECISION, UPCAST, False)
+    _store_grad_d(b_acc, D, RD, GD, i_j * 0, i_j, i_j, o_t, m_t, m_h, ld, dim, s_d, s_rd, NORMALIZE)
 
 
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "s_gi", "s_rdi", "s_rdj", "s_ai", "n_split", "j_per_split"])
 def maxsim_bwd_gather_kernel(
-    G, Q, D, RQ, RD, ARG, GQ, GD32,
-    n_q, n_j, lq, ld, dim,
-    s_gi, s_gj,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_rdi, s_rdj,
-    s_gdi, s_gdj, s_ai,
+    G, Q, D, RQ, RD, ARG, GQ, GD32, n_q, n_j, lq, ld, dim,
+    s_gi, s_gj, s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_gdi, s_gdj, s_ai,
     n_split, j_per_split,
     NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, PARTIAL: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
 ):
+    """grad_Q gathered from the winners and, with ``SCATTER_D``, ``g * q`` scattered into the
+    fp32 ``GD32`` (the ``unified`` strategy); ``PARTIAL``: fp32 grad_Q partials of a split walk."""
     _gather_body(
-        tl.program_id(0), G, Q, D, RQ, RD, ARG, GQ, GD32, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
-        s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_gdi, s_gdj, s_ai, n_split, j_per_split,
+        tl.program_id(0), G, Q, D, RQ, RD, ARG, GQ, GD32, n_q, n_j, lq, dim, (s_gi, s_gj), (s_qi, s_qs, s_qh),
+        (s_di, s_dj, s_dt, s_dh), (s_rdi, s_rdj), (s_gdi, s_gdj), s_ai, n_split, j_per_split,
         NEED_Q, SCATTER_D, NORMALIZE, PARTIAL, BLOCK_J, BLOCK_S, D_PAD,
     )
 
 
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_gather_programs", "s_gi", "s_rdi", "s_rdj", "s_ai"])
 def maxsim_bwd_doc_kernel(
-    G, Q, D, RQ, RD, ARG, GD, GQ,
-    n_q, n_j, lq, ld, dim,
-    s_gi, s_gj,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_rdi, s_rdj, s_ai,
+    G, Q, D, RQ, RD, ARG, GD, GQ, n_q, n_j, lq, ld, dim,
+    s_gi, s_gj, s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_ai,
     n_gather_programs, ROWS,
-    CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
+    CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
     WITH_GATHER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
     GUARD_ROWS: tl.constexpr, COMPACT: tl.constexpr = False, SCAN: tl.constexpr = 1024,
 ):
@@ -355,59 +351,34 @@ def maxsim_bwd_doc_kernel(
     int16 scratch the size of the argmax); with ``WITH_GATHER`` the first
     ``n_gather_programs`` programs compute grad_Q (the gather, unsplit) in the same launch:
     one launch less per step, which is what bounds the small training shapes on the host."""
-    pid = tl.program_id(0)
-    if WITH_GATHER:
-        if pid < n_gather_programs:
-            _gather_body(
-                pid, G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
-                s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, 0, 0, s_ai, 1, n_j,
-                True, False, NORMALIZE, False, BLOCK_J, BLOCK_S, D_PAD,
-            )
-        else:
-            _grad_d_tile(
-                pid - n_gather_programs, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj,
-                s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION,
-                UPCAST, BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS, COMPACT, SCAN,
-            )
+    s_g, s_q, s_d, s_rd = (s_gi, s_gj), (s_qi, s_qs, s_qh), (s_di, s_dj, s_dt, s_dh), (s_rdi, s_rdj)
+    if _rides(n_gather_programs, WITH_GATHER):
+        _riding_gather(G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, s_ai,
+                       NORMALIZE, BLOCK_J, BLOCK_S, D_PAD)
     else:
-        _grad_d_tile(
-            pid, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
-            s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST,
-            BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS, COMPACT, SCAN,
-        )
+        _grad_d_tile(_tile_program(n_gather_programs, WITH_GATHER), G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j,
+                     lq, ld, dim, s_g, s_q, s_d, s_rd, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_T,
+                     BLOCK_R, D_PAD, GUARD_ROWS, COMPACT, SCAN)
 
 
 @triton.jit
 def _grad_d_tile(
-    pid, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj,
+    pid, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_g, s_q, s_d, s_rd,
     CROSS: tl.constexpr, NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, D_PAD: tl.constexpr,
     GUARD_ROWS: tl.constexpr, COMPACT: tl.constexpr, SCAN: tl.constexpr,
 ):
     if COMPACT:
-        _compact_doc_body(
-            pid, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
-            s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, NORMALIZE, F32_DOT, PRECISION, UPCAST,
-            BLOCK_T, BLOCK_R, D_PAD, SCAN,
-        )
+        _compact_doc_body(pid, G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_g, s_q, s_d, s_rd,
+                          NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_T, BLOCK_R, D_PAD, SCAN)
     else:
-        _doc_body(
-            pid, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
-            s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST,
-            BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS,
-        )
+        _doc_body(pid, G, Q, D, RQ, RD, ARG, GD, n_q, n_j, lq, ld, dim, s_g, s_q, s_d, s_rd, CROSS, NORMALIZE,
+                  F32_DOT, PRECISION, UPCAST, BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS)
 
 
 @triton.jit
 def _winners_body(
-    pid,
-    G, Q, D, RQ, RD, ARG, GD,
-    n_j, lq, ld, dim,
-    s_gi, s_gj,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_rdi, s_rdj, s_ai,
+    pid, G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld, dim, s_g, s_q, s_d, s_rd, s_ai,
     NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
 ):
@@ -417,6 +388,10 @@ def _winners_body(
     # matrix times the query rows (one MMA, fixed order), and only the first of them
     # stores: every written row has exactly one writer -> no atomics, bitwise
     # deterministic, and the store traffic is Lq rows instead of the whole document.
+    s_gi, s_gj = s_g
+    s_qi, s_qs, s_qh = s_q
+    s_di, s_dj, s_dt, s_dh = s_d
+    s_rdi, s_rdj = s_rd
     i_doc = pid.to(tl.int64)
     i_q = i_doc // n_j
     i_j = i_doc % n_j
@@ -454,12 +429,8 @@ def _winners_body(
 
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_gather_programs", "s_gi", "s_rdi", "s_rdj", "s_ai"])
 def maxsim_bwd_winners_kernel(
-    G, Q, D, RQ, RD, ARG, GD, GQ,
-    n_q, n_j, lq, ld, dim,
-    s_gi, s_gj,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_rdi, s_rdj, s_ai,
+    G, Q, D, RQ, RD, ARG, GD, GQ, n_q, n_j, lq, ld, dim,
+    s_gi, s_gj, s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_ai,
     n_gather_programs,
     NORMALIZE: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     WITH_GATHER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SW: tl.constexpr,
@@ -468,35 +439,19 @@ def maxsim_bwd_winners_kernel(
     """``lowmem`` grad_D for candidates and pairs (``Lq <= BLOCK_SW``) into a zeroed
     buffer; with ``WITH_GATHER`` the first ``n_gather_programs`` programs compute grad_Q
     in the same launch."""
-    pid = tl.program_id(0)
-    if WITH_GATHER:
-        if pid < n_gather_programs:
-            _gather_body(
-                pid, G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
-                s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, 0, 0, s_ai, 1, n_j,
-                True, False, NORMALIZE, False, BLOCK_J, BLOCK_S, D_PAD,
-            )
-        else:
-            _winners_body(
-                pid - n_gather_programs, G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
-                s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_ai, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD,
-            )
+    s_g, s_q, s_d, s_rd = (s_gi, s_gj), (s_qi, s_qs, s_qh), (s_di, s_dj, s_dt, s_dh), (s_rdi, s_rdj)
+    if _rides(n_gather_programs, WITH_GATHER):
+        _riding_gather(G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, s_ai,
+                       NORMALIZE, BLOCK_J, BLOCK_S, D_PAD)
     else:
-        _winners_body(
-            pid, G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld, dim, s_gi, s_gj, s_qi, s_qs, s_qh,
-            s_di, s_dj, s_dt, s_dh, s_rdi, s_rdj, s_ai, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD,
-        )
+        _winners_body(_tile_program(n_gather_programs, WITH_GATHER), G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld,
+                      dim, s_g, s_q, s_d, s_rd, s_ai, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_j", "lq", "s_gi", "s_ai", "n_split", "j_per_split"])
 def maxsim_bwd_varlen_kernel(
-    G, Q, D, RQ, RD, ARG, GQ, GD32, CU_Q, CU_D, PAIR_Q, PAIR_D,
-    n_rows, n_j, lq, dim,
-    s_gi, s_gj,
-    s_qs, s_qh,
-    s_dt, s_dh,
-    s_ai,
-    n_split, j_per_split,
+    G, Q, D, RQ, RD, ARG, GQ, GD32, CU_Q, CU_D, PAIR_Q, PAIR_D, n_rows, n_j, lq, dim,
+    s_gi, s_gj, s_qs, s_qh, s_dt, s_dh, s_ai, n_split, j_per_split,
     NEED_Q: tl.constexpr, SCATTER_D: tl.constexpr, NORMALIZE: tl.constexpr, ATOMIC_Q: tl.constexpr,
     PAIRS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
 ):
@@ -531,7 +486,7 @@ def maxsim_bwd_varlen_kernel(
     b_acc = _gather_walk(
         tl.zeros([BLOCK_S, D_PAD], tl.float32), i_row, o_s, m_s, m_h, b_qs, j_lo,
         tl.minimum(j_lo + j_per_split, n_j),
-        G, D, RD, ARG, GD32, lq, dim, s_gi, s_gj, 0, 0, s_dt, s_dh, 0, 0, 0, 0, s_ai, 0,
+        G, D, RD, ARG, GD32, lq, dim, (s_gi, s_gj), (0, 0, s_dt, s_dh), (0, 0), (0, 0), s_ai, 0,
         NEED_Q, SCATTER_D, NORMALIZE, BLOCK_J, D_PAD, CU_D, PAIR_D, True, PAIRS,
     )
     if NEED_Q:

@@ -111,12 +111,8 @@ def _weights(b_q, b_d, m_n, b_lse, b_g, m_row, scale2, PRECISION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_ntiles", "s_li", "s_lj", "s_gi"])
 def _smooth_bwd_dd_kernel(
-    Q, D, LSE, G, GD,
-    n_q, n_j, lq, ld, dim, n_qblocks, n_ntiles, scale2,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_li, s_lj, s_lt, s_gi, s_gj,
-    s_ei, s_ej, s_et, s_eh,
+    Q, D, LSE, G, GD, n_q, n_j, lq, ld, dim, n_qblocks, n_ntiles, scale2,
+    s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_li, s_lj, s_lt, s_gi, s_gj, s_ei, s_ej, s_et, s_eh,
     CROSS: tl.constexpr, QPB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -150,12 +146,8 @@ def _smooth_bwd_dd_kernel(
 
 @triton.jit(do_not_specialize=["n_q", "n_j", "lq", "ld", "n_qblocks", "n_split", "s_li", "s_lj", "s_gi"])
 def _smooth_bwd_dq_kernel(
-    Q, D, LSE, G, GQ,
-    n_q, n_j, lq, ld, dim, n_qblocks, n_split, scale2,
-    s_qi, s_qs, s_qh,
-    s_di, s_dj, s_dt, s_dh,
-    s_li, s_lj, s_lt, s_gi, s_gj,
-    s_ei, s_es, s_eh,
+    Q, D, LSE, G, GQ, n_q, n_j, lq, ld, dim, n_qblocks, n_split, scale2,
+    s_qi, s_qs, s_qh, s_di, s_dj, s_dt, s_dh, s_li, s_lj, s_lt, s_gi, s_gj, s_ei, s_es, s_eh,
     QPB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
