@@ -1,6 +1,7 @@
 """Reranking through the hosts' own entry points: ours (patched) against each host's own backends.
 
     python benchmarks/bench_rerank.py OUT_DIR [--quick] [--cpu] [--only pylate,colpali,st]
+        [--reps 5] [--warmup 2] [--rounds 1] [--skip host:variant,...]
 
 Hosts and cases (d 128, unit-norm random tokens, seeded):
 
@@ -16,14 +17,22 @@ Hosts and cases (d 128, unit-norm random tokens, seeded):
   50-300 tokens, bf16; ST's own chunked path against ``ours``.
 
 Each variant runs in its own process (a fresh CUDA context, allocator and caches); every case
-is timed after one warm-up call (median of the timed calls, synchronised).  Reported: seconds
-per call, queries/s, peak GPU memory above the inputs, and the share of queries whose full
-ranking (and top 10) is identical to the host's own first backend's.  Writes ``rerank.json`` and
-``rerank.md`` (with the command) into OUT_DIR.
+is timed after ``--warmup`` calls (the first compiles our kernel; the hosts' loops warm their
+allocator and caches too), then ``--reps`` synchronised calls, each after a garbage collection
+(the hosts' loops leave thousands of tensors behind; a collection inside a timed call would
+land on whichever variant comes next).  ``--rounds N`` runs every variant's process N times,
+interleaved (host A, B, ours, A, B, ours, ...), so a drift of the machine over the run shows
+in the spread instead of in one variant's figure; the timed calls of all rounds are pooled.
+Reported: the median seconds per call, its spread (min-max and p10-p90 over the pooled calls),
+queries/s, peak GPU memory above the inputs, the share of queries whose full ranking (and top
+10) is identical to the host's own first backend's, and two ratios against the host's fastest
+own backend: medians, and the worst case (the host backend's fastest call against our slowest).
+Writes ``rerank.json`` and ``rerank.md`` (with the command) into OUT_DIR.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -76,24 +85,33 @@ def _cases(host, quick, cpu):
     return [("cuda-bf16", torch.bfloat16, "cuda", None, 100, 5000 // scale)]
 
 
-def _time(fn, reps):
-    fn()
+def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _time(fn, reps, warmup):
+    """(seconds of each timed call, peak GPU bytes above the memory in use before them, last output)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     times, out = [], None
     for _ in range(reps):
+        out = None
+        gc.collect()
+        _sync()
         t0 = time.perf_counter()
         out = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) if torch.cuda.is_available() else 0
-    return statistics.median(times), times, peak, out
+    return times, peak, out
 
 
-def _run_variant(host, variant, quick, cpu, reps, tmp):
+def _run_variant(host, variant, quick, cpu, reps, warmup, tmp):
     """One process: every case of ``host`` under ``variant``; rankings saved to ``tmp``."""
     results = []
     if variant == "ours":
@@ -143,16 +161,16 @@ def _run_variant(host, variant, quick, cpu, reps, tmp):
             def ranking(out):
                 return torch.sort(out.float().cpu(), dim=1, descending=True, stable=True).indices.int()
         try:
-            median, times, peak, out = _time(call, reps)
+            times, peak, out = _time(call, reps, warmup)
         except Exception as exc:  # noqa: BLE001 -- a peer missing on this machine is a row, not a crash
             results.append({"host": host, "case": case, "variant": variant, "error": f"{type(exc).__name__}: {exc}"})
             print(f"[bench] {host} {case} {variant}: {exc}", flush=True)
             continue
         torch.save(ranking(out), os.path.join(tmp, f"{host}_{case}_{variant}.pt"))
         results.append({"host": host, "case": case, "variant": variant, "dtype": str(dtype).replace("torch.", ""),
-                        "queries": nq, "candidates_per_query": nc, "seconds": median, "all_seconds": times,
-                        "queries_per_s": nq / median, "peak_gpu_bytes": peak})
-        print(f"[bench] {host} {case} {variant}: {median:.4f} s", flush=True)
+                        "queries": nq, "candidates_per_query": nc, "all_seconds": times, "peak_gpu_bytes": peak})
+        print(f"[bench] {host} {case} {variant}: median {statistics.median(times):.4f} s "
+              f"(min {min(times):.4f}, max {max(times):.4f})", flush=True)
         del queries, docs, out
     return results
 
@@ -167,7 +185,9 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--only", default="pylate,colpali,st")
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5, help="timed calls per case and process")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (compile, caches)")
+    parser.add_argument("--rounds", type=int, default=1, help="processes per variant, interleaved")
     parser.add_argument("--skip", default="", help="host:variant,... not to run (e.g. peers a previous run "
                         "measured slower than the host's fastest backend)")
     parser.add_argument("--variant")      # internal: host:variant, run in this process
@@ -175,78 +195,115 @@ def main():
     args = parser.parse_args()
     if args.variant:
         host, variant = args.variant.split(":")
-        rows = _run_variant(host, variant, args.quick, args.cpu, args.reps, args.tmp)
+        rows = _run_variant(host, variant, args.quick, args.cpu, args.reps, args.warmup, args.tmp)
         with open(os.path.join(args.tmp, f"{host}_{variant}.json"), "w") as f:
             json.dump(rows, f)
         return
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp()
-    rows = []
+    measured = {}        # (host, case, variant) -> row with every round's calls pooled
+    errors = []
     hosts = [h for h in args.only.split(",") if h]
     for host in hosts:
         variants = VARIANTS[host] if not args.cpu else [v for v in VARIANTS[host] if v[0] in ("torch", "ours")]
-        for variant, env in variants:
-            if f"{host}:{variant}" in args.skip.split(","):
-                continue
-            cmd = [sys.executable, os.path.abspath(__file__), args.out, "--variant", f"{host}:{variant}", "--tmp", tmp,
-                   "--reps", str(args.reps)] + (["--quick"] if args.quick else []) + (["--cpu"] if args.cpu else [])
-            base = {k: v for k, v in os.environ.items() if k not in HOST_VARIABLES}
-            proc = subprocess.run(cmd, env={**base, **env}, capture_output=True, text=True)
-            sys.stdout.write(proc.stdout)
-            path = os.path.join(tmp, f"{host}_{variant}.json")
-            if proc.returncode != 0 or not os.path.exists(path):
-                rows.append({"host": host, "variant": variant, "error": proc.stderr[-2000:]})
-                print(proc.stderr[-2000:], flush=True)
-                continue
-            with open(path) as f:
-                rows.extend(json.load(f))
-            _report(args, rows, tmp)
-    _report(args, rows, tmp)
+        variants = [(v, env) for v, env in variants if f"{host}:{v}" not in args.skip.split(",")]
+        for round_ in range(args.rounds):
+            for variant, env in variants:
+                cmd = [sys.executable, os.path.abspath(__file__), args.out, "--variant", f"{host}:{variant}",
+                       "--tmp", tmp, "--reps", str(args.reps), "--warmup", str(args.warmup)] + \
+                      (["--quick"] if args.quick else []) + (["--cpu"] if args.cpu else [])
+                base = {k: v for k, v in os.environ.items() if k not in HOST_VARIABLES}
+                proc = subprocess.run(cmd, env={**base, **env}, capture_output=True, text=True)
+                sys.stdout.write(proc.stdout)
+                path = os.path.join(tmp, f"{host}_{variant}.json")
+                if proc.returncode != 0 or not os.path.exists(path):
+                    errors.append({"host": host, "variant": variant, "round": round_, "error": proc.stderr[-2000:]})
+                    print(proc.stderr[-2000:], flush=True)
+                    continue
+                with open(path) as f:
+                    for row in json.load(f):
+                        _pool(measured, row, round_)
+                os.remove(path)
+                _report(args, list(measured.values()) + errors, tmp)
+    _report(args, list(measured.values()) + errors, tmp)
+
+
+def _pool(measured, row, round_):
+    """One process's row added to the pooled row of its (host, case, variant)."""
+    if "all_seconds" not in row:
+        measured[(row["host"], row.get("case"), row["variant"], round_)] = row    # an error: kept per round
+        return
+    key = (row["host"], row["case"], row["variant"])
+    if key not in measured:
+        measured[key] = {**row, "all_seconds": [], "round_medians": [], "peak_gpu_bytes": 0}
+    pooled = measured[key]
+    pooled["all_seconds"] += row["all_seconds"]
+    pooled["round_medians"].append(statistics.median(row["all_seconds"]))
+    pooled["peak_gpu_bytes"] = max(pooled["peak_gpu_bytes"], row["peak_gpu_bytes"])
+
+
+def _quantile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _report(args, rows, tmp):
-    """Rankings compared, speed-ups, JSON + Markdown written (after every variant: a run cut
-    short by its time limit keeps what it measured)."""
-    # identical rankings and speed-ups against the host's own first variant, per case
+    """Statistics, rankings compared, speed-ups, JSON + Markdown written (after every variant:
+    a run cut short by its time limit keeps what it measured)."""
+    for row in rows:
+        if "all_seconds" not in row:
+            continue
+        times = row["all_seconds"]
+        row.update(seconds=statistics.median(times), min_seconds=min(times), max_seconds=max(times),
+                   p10_seconds=_quantile(times, 0.1), p90_seconds=_quantile(times, 0.9))
+        row["queries_per_s"] = row["queries"] / row["seconds"]
+    # identical rankings and speed-ups against the host's own variants, per case
     for row in rows:
         if "seconds" not in row:
             continue
         ref_variant = VARIANTS[row["host"]][0][0]
-        ref = [r for r in rows if r.get("host") == row["host"] and r.get("case") == row["case"]
-               and r.get("variant") == ref_variant and "seconds" in r]
-        own = [r for r in rows if r.get("host") == row["host"] and r.get("case") == row["case"]
-               and r.get("variant") != "ours" and "seconds" in r]
+        same_case = [r for r in rows if r.get("host") == row["host"] and r.get("case") == row["case"] and "seconds" in r]
+        ref = [r for r in same_case if r["variant"] == ref_variant]
+        own = [r for r in same_case if r["variant"] != "ours"]
         if ref:
             a = torch.load(os.path.join(tmp, f"{row['host']}_{row['case']}_{row['variant']}.pt"))
             b = torch.load(os.path.join(tmp, f"{row['host']}_{row['case']}_{ref_variant}.pt"))
             row["identical_ranking_share"] = _share_identical(a, b)
             row["identical_top10_share"] = _share_identical(a[:, :10], b[:, :10])
         if own:
-            row["speedup_vs_fastest_host_backend"] = min(r["seconds"] for r in own) / row["seconds"]
+            fastest = min(own, key=lambda r: r["seconds"])
+            row["fastest_host_backend"] = fastest["variant"]
+            row["speedup_vs_fastest_host_backend"] = fastest["seconds"] / row["seconds"]
+            # the fastest own backend's fastest call against this variant's slowest
+            row["worst_case_speedup"] = fastest["min_seconds"] / row["max_seconds"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     import triton
     meta = {"command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "device": device,
-            "torch": torch.__version__, "triton": triton.__version__, "cpu_count": os.cpu_count()}
+            "torch": torch.__version__, "triton": triton.__version__, "cpu_count": os.cpu_count(),
+            "reps": args.reps, "warmup": args.warmup, "rounds": args.rounds}
     with open(os.path.join(args.out, "rerank.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [f"# Reranking through the hosts' entry points ({device})", "",
              f"`{meta['command']}` -- torch {meta['torch']}, triton {meta['triton']}; each variant in its own "
-             "process; median of the timed calls after one warm-up.", "",
-             "| host | case | variant | s / call | queries/s | x fastest host backend | identical rankings | identical top-10 | "
-             "peak GPU MiB |", "|---|---|---|---|---|---|---|---|---|"]
+             f"process ({args.rounds} round(s), interleaved); {args.warmup} warm-up calls, then {args.reps} timed "
+             "calls a process, pooled over the rounds: median, min-max, p10-p90. x fastest host backend: ratio of "
+             "medians; worst case: that backend's fastest call against this variant's slowest.", "",
+             "| host | case | variant | s / call (median) | min-max | p10-p90 | queries/s | x fastest host backend | "
+             "worst case | identical rankings | identical top-10 | peak GPU MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "seconds" not in r:
-            lines.append(f"| {r['host']} | {r.get('case', '')} | {r['variant']} | error | | | | | |")
+            lines.append(f"| {r['host']} | {r.get('case', '')} | {r['variant']} | error | | | | | | | | |")
             continue
-        lines.append(f"| {r['host']} | {r['case']} | {r['variant']} | {r['seconds']:.4f} | {r['queries_per_s']:.1f} | "
-                     f"{r.get('speedup_vs_fastest_host_backend', float('nan')):.2f} | "
+        lines.append(f"| {r['host']} | {r['case']} | {r['variant']} | {r['seconds']:.4f} | "
+                     f"{r['min_seconds']:.4f}-{r['max_seconds']:.4f} | {r['p10_seconds']:.4f}-{r['p90_seconds']:.4f} | "
+                     f"{r['queries_per_s']:.1f} | {r.get('speedup_vs_fastest_host_backend', float('nan')):.2f} "
+                     f"({r.get('fastest_host_backend', '')}) | {r.get('worst_case_speedup', float('nan')):.2f} | "
                      f"{r.get('identical_ranking_share', float('nan')):.3f} | "
                      f"{r.get('identical_top10_share', float('nan')):.3f} | {r['peak_gpu_bytes'] / 2**20:.0f} |")
     with open(os.path.join(args.out, "rerank.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
 
 
 if __name__ == "__main__":

@@ -74,12 +74,24 @@ if [[ $stage == compressed || $stage == all ]]; then
 fi
 if [[ $stage == rerank ]]; then
   # the hosts' reranking entry points, ours against their own backends (benchmarks/bench_rerank.py);
-  # sentence-transformers 6 (not PyLate's pinned 5.x) from .whl/st6 for its stage
+  # sentence-transformers 6 (not PyLate's pinned 5.x) from .whl/st6 for its stage.
+  # RERANK_HOSTS (default pylate,colpali,st) picks hosts, RERANK_TESTS=0 skips the listed kernel's
+  # GPU tests, RERANK_TIMEOUT (s, default 420) bounds the PyLate + colpali run: with --rounds 2 run
+  # one host per device call (RERANK_HOSTS=pylate, then colpali,st).
   host_env
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_listed.py 2>&1 | tail -3 | tee "$OUT/listed_tests.log"
-  timeout 360 python3 benchmarks/bench_rerank.py "$OUT/rerank" --only pylate,colpali "$@" 2>&1 | tail -16
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/st6 .whl/st6/*.whl || exit 1
-  PYTHONPATH=/tmp/st6:$PYTHONPATH timeout 150 python3 benchmarks/bench_rerank.py "$OUT/rerank_st" --only st "$@" 2>&1 | tail -6
+  hosts=${RERANK_HOSTS:-pylate,colpali,st}
+  if [[ ${RERANK_TESTS:-1} == 1 ]]; then
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_listed.py tests/kernels/test_listed_parity.py \
+      2>&1 | tail -3 | tee "$OUT/listed_tests.log"
+  fi
+  main=$(echo "$hosts" | tr ',' '\n' | grep -E '^(pylate|colpali)$' | paste -sd, -)
+  if [[ -n $main ]]; then
+    timeout "${RERANK_TIMEOUT:-420}" python3 benchmarks/bench_rerank.py "$OUT/rerank" --only "$main" "$@" 2>&1 | grep -E '^(\||\[bench\])'
+  fi
+  if [[ ,$hosts, == *,st,* ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/st6 .whl/st6/*.whl || exit 1
+    PYTHONPATH=/tmp/st6:$PYTHONPATH timeout 150 python3 benchmarks/bench_rerank.py "$OUT/rerank_st" --only st "$@" 2>&1 | grep '^|'
+  fi
 fi
 if [[ $stage == host ]]; then
   timeout 200 python3 benchmarks/host_overhead.py "$OUT" "$@" 2>&1 | tail -12

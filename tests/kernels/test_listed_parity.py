@@ -13,6 +13,9 @@ import torch
 
 DIM = 16
 
+# runs everywhere (the interpreter without CUDA); the marker puts it in run_gpu.sh's CUDA run too
+pytestmark = pytest.mark.gpu
+
 
 def _device():
     if torch.cuda.is_available():
