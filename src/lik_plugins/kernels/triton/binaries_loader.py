@@ -20,6 +20,7 @@ JIT path, with the reason.  Opt-in with ``LIK_SHIPPED_BINARIES=1``.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import linecache
@@ -44,9 +45,11 @@ _hashes: dict = {}                 # id(kernel) -> source_hash(kernel)
 
 
 def source_hash(kernel) -> str:
-    """A digest of a Triton kernel's source and of what it reads at compile time: the
-    source of every JIT function it calls (through a global name or a module attribute),
-    transitively, and the values of the plain constants it names."""
+    """A digest of a Triton kernel's code and of what it reads at compile time: the syntax
+    tree of every JIT function of the package it calls (through a global name or a module
+    attribute), transitively, and the values of the plain constants it names.  Syntax
+    trees, not text: reformatting, comments and docstrings do not change the binary, so
+    they do not retire it."""
     digest = hashlib.sha256()
     seen: set = set()
 
@@ -56,7 +59,7 @@ def source_hash(kernel) -> str:
         if id(fn) in seen:
             return
         seen.add(id(fn))
-        digest.update(_source_text(fn.__code__).encode())
+        digest.update(_syntax(fn.__code__).encode())
         names = _names(fn.__code__)
         scope = fn.__globals__
         for name in sorted(names):
@@ -82,12 +85,37 @@ def source_hash(kernel) -> str:
     return digest.hexdigest()
 
 
-def _source_text(code) -> str:
-    """The function's lines in its file, decorators included: from its first line to the
-    last line its code (nested code too) runs (``inspect.getsource`` tokenises the whole
-    file for each function, which is most of the cost of a first launch's lookup)."""
-    last = max(line for c in _codes(code) for _, _, line in c.co_lines() if line is not None)
-    return "".join(linecache.getlines(code.co_filename)[code.co_firstlineno - 1:last])
+_trees: dict = {}                  # file name -> its parsed module
+
+
+def _syntax(code) -> str:
+    """The function's syntax tree (decorators included, docstring left out) as text: its
+    file parsed once (``inspect.getsource`` tokenises the whole file for each function)."""
+    tree = _trees.get(code.co_filename)
+    if tree is None:
+        tree = _trees[code.co_filename] = ast.parse("".join(linecache.getlines(code.co_filename)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == code.co_name and \
+                (node.decorator_list[0].lineno if node.decorator_list else node.lineno) == code.co_firstlineno:
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                body = body[1:]
+            return _canonical([node.decorator_list, node.args, body])
+    raise LookupError(f"{code.co_name}: not found in {code.co_filename}")
+
+
+def _canonical(node) -> str:
+    """A syntax tree as text that does not depend on the Python release: ``ast.dump``'s
+    output changes between releases (3.13 leaves empty fields out, new releases add
+    fields), so empty and absent fields are left out here on every release."""
+    if isinstance(node, ast.AST):
+        fields = [(name, getattr(node, name, None)) for name in node._fields]
+        return type(node).__name__ + "(" + ",".join(
+            f"{name}={_canonical(value)}" for name, value in fields if value is not None and value != []) + ")"
+    if isinstance(node, list):
+        return "[" + ",".join(_canonical(value) for value in node) + "]"
+    return repr(node)
 
 
 def _codes(code):
@@ -260,3 +288,4 @@ def reset() -> None:
     _stale.clear()
     _missing.clear()
     _hashes.clear()
+    _trees.clear()
