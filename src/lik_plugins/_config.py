@@ -18,10 +18,11 @@ between two calls in the same process.
                             (default 2**24, i.e. 64 MB of fp32 scratch).
 ``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
                             the compiled launcher (see ``kernels/triton/direct.py``).
-``LIK_SHIPPED_BINARIES``    ``1``: launch the kernel binaries shipped with the package (sm_90: H100,
-                            H200) through the CUDA driver, without Triton's JIT; variants not
-                            shipped, other GPUs and a failed load or self-check go through
-                            the JIT (``kernels/triton/binaries_loader.diagnostics()`` says why).
+``LIK_SHIPPED_BINARIES``    ``1``: launch the kernel binaries shipped with the package
+                            (``kernels/triton/binaries/<arch>/``) through the CUDA driver,
+                            without Triton's JIT; variants not shipped, other architectures
+                            and a failed load or self-check go through the JIT
+                            (``kernels/triton/binaries_loader.diagnostics()`` says why).
 ``LIK_AUTOTUNE``            ``auto`` (default): forward and backward configs come from the
                             committed per-architecture table (``kernels/triton/configs/``);
                             an architecture without a table is swept once and the result
