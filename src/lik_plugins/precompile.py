@@ -19,7 +19,9 @@ constexprs and compile options, argument dtypes, 16-divisibility of the speciali
 is then compiled through the JIT's own ``warmup``, so its cache key is the one the runtime
 call computes.  With no GPU of the target architecture at hand (``--arch``), Triton's active
 driver is swapped for one that only names the target (``_OfflineDriver``): Triton lowers to
-PTX and runs ``ptxas`` without a device.
+PTX and runs ``ptxas`` without a device.  On a GPU of the target architecture each binary
+is also loaded once, so a Triton that compiles a C launcher per argument signature at the
+first launch (3.6) builds it into the cache here, not in the job's first step.
 
 With ``--ship`` the same variants are built into the binaries the package ships
 (``kernels/triton/binaries/<arch>/``: cubins and a manifest, ``kernels/triton/binaries_build``)
