@@ -45,8 +45,6 @@ class _ForwardPlan(NamedTuple):
     aux_ints: tuple = (0, 0, 0, 0)   # the document operand's strides and size (DocFormat)
 
 
-
-
 # Forward plans by the call's geometry (shapes, strides, dtype, device, mask and option
 # flags).  A repeated shape -- every training step of a fixed batch, every rerank of a
 # fixed candidate count -- skips the blocking, the tuner lookup and building the argument
