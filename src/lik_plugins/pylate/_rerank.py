@@ -43,6 +43,8 @@ under the same backend rules as the scoring adapters (``PYLATE_SCORES_BACKEND`` 
 """
 from __future__ import annotations
 
+from operator import itemgetter
+
 import torch
 
 from .._config import disabled
@@ -82,7 +84,10 @@ def rerank(documents_ids, queries_embeddings, documents_embeddings, device=None)
         return original(*args)
     path, run = plan
     record(ENTRY, path)
-    return run()
+    from ..kernels.triton.listed import paused_gc
+
+    with paused_gc():        # a result dict per candidate (listed.paused_gc says why)
+        return run()
 
 
 class _HostLoop(_Fallback):
@@ -163,6 +168,8 @@ def _rerank_listed(queries, table, counts, longest, ids, target):
     order = host[total:].tolist()
     results, start = [], 0
     for n, ids_q in zip(counts, ids):
-        results.append([{"id": ids_q[i], "score": v} for i, v in zip(order[start:start + n], values[start:start + n])])
+        # the ids in ranked order in one C call (itemgetter), not one Python index per candidate
+        ranked = itemgetter(*order[start:start + n])(ids_q) if n > 1 else (ids_q[order[start]],)
+        results.append([{"id": i, "score": v} for i, v in zip(ranked, values[start:start + n])])
         start += n
     return results

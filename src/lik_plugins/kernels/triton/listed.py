@@ -20,9 +20,12 @@ rows' maxima (:func:`score_listed`).
 from __future__ import annotations
 
 import array
+import gc
+from contextlib import contextmanager
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
+import numpy
 import torch
 import triton
 import triton.language as tl
@@ -179,6 +182,22 @@ def score_table(queries: list, q_lens: torch.Tensor, table: "Table", query_index
                         query_index, pad, round_maxima)
 
 
+@contextmanager
+def paused_gc():
+    """Python's cyclic garbage collector off for the block (restored as found).  A walk over a
+    list of thousands of candidates allocates an object or two per candidate (shapes, result
+    dicts); every few hundred allocations trigger a collection, and the older generations'
+    ones traverse every live tensor -- most of the walk's time.  Nothing the walk allocates
+    forms a cycle."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 # C-level getters for the passes over a candidate list
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
@@ -206,6 +225,13 @@ def candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torc
     the integers go to the device through one buffer).  Candidates on the CPU for a CUDA
     ``device`` are copied once into one pinned staging buffer and moved in one transfer;
     their addresses are then offsets into that buffer, computed on the device."""
+    with paused_gc():
+        return _candidate_table(candidates, dtype, dim, device, extra)
+
+
+def _candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torch.device,
+                     extra: list[int] = ()) -> Table | str:
+    """The work of :func:`candidate_table`."""
     tensor = torch.Tensor
     if set(map(type, candidates)) != {tensor} or set(map(_DTYPE, candidates)) != {dtype}:
         return f"candidates must be [Ld, {dim}] tensors of {dtype}"
@@ -224,12 +250,12 @@ def candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torc
         # the kernel's addressing: rows dim elements apart, elements adjacent
         if not all(map(tensor.is_contiguous, candidates)):
             return "candidates must be contiguous"
-        host = torch.frombuffer(array.array("q", list(map(tensor.data_ptr, candidates)) + lengths + list(extra)),
-                                dtype=torch.int64)
-        if bool((host[:n] % 16).any()):
+        buffer = array.array("q", list(map(tensor.data_ptr, candidates)) + lengths + list(extra))
+        # numpy reads the buffer in place (a torch op on the CPU pays its dispatch and thread pool)
+        if bool((numpy.frombuffer(buffer, dtype=numpy.int64, count=n) & 15).any()):
             # the kernel's loads are 16-byte vectors; an odd offset would fault
             return "candidate addresses must be multiples of 16 bytes"
-        table = host.to(device, non_blocking=True)
+        table = torch.frombuffer(buffer, dtype=torch.int64).to(device, non_blocking=True)
         return Table(table[:n], table[n:2 * n], table[2 * n:], lengths, candidates[0], None)
     if not (source == -1 and device.type == "cuda"):
         return f"candidates on device {source} for scoring on {device}"
@@ -246,4 +272,4 @@ def candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torc
     return Table(addresses, lens, table[n:], lengths, tokens, (tokens, staged))
 
 
-__all__ = ["Table", "candidate_table", "score_listed"]
+__all__ = ["Table", "candidate_table", "paused_gc", "score_listed", "score_table"]
