@@ -134,30 +134,6 @@ def test_non_finite_inputs_do_not_crash():
     assert torch.isnan(out[0]).all()
 
 
-@pytest.mark.parametrize("case", [
-    dict(nq=8, nj=8, lq=32, ld=256, kd=False),
-    dict(nq=64, nj=64, lq=32, ld=1030, kd=False),               # ColPali-like: many tiles, a tuned config
-    dict(nq=3, nj=17, lq=33, ld=70, kd=False, mode="zero"),     # ragged, row chunks of 64, zero mode
-    dict(nq=4, nj=5, lq=130, ld=100, kd=True),                  # candidates, row chunks
-], ids=["small", "colpali", "ragged-zero", "kd"])
-def test_running_argmax_epilogue_gives_the_same_winners(monkeypatch, case):
-    """launch.RUNNING_ARGMAX (elementwise running max + tile offset, one reduction at the
-    end) against the per-tile reduction: identical scores and argmax, masks and ties
-    included (integer-valued bf16 tokens make exact ties common)."""
-    nq, nj, lq, ld, kd = case["nq"], case["nj"], case["lq"], case["ld"], case["kd"]
-    Q, D, qm, dm = dense_inputs(nq, nj, lq, ld, 128, torch.bfloat16, kd)
-    Q, D = Q.mul(2).round(), D.mul(2).round()
-    got = {}
-    for running in (False, True):
-        monkeypatch.setattr(launch, "RUNNING_ARGMAX", running)
-        launch.clear_plans()
-        got[running] = launch.forward(Q, D, qm, dm, cross=not kd, normalize=False,
-                                      zero_mode=case.get("mode") == "zero", save_argmax=True)
-    launch.clear_plans()
-    assert torch.equal(got[True][0], got[False][0])
-    assert torch.equal(got[True][1], got[False][1])
-
-
 # ------------------------------------------------------------------ direct launches
 def _deterministic_step(Q, D, qm, dm, **kw):
     q, d = Q.detach().requires_grad_(), D.detach().requires_grad_()  # same memory, same alignment
@@ -224,15 +200,20 @@ def test_compact_and_dense_lowmem_agree(monkeypatch, shape):
     """lowmem's grad_D from per-tile row lists and from the dense one-hot walk: the same
     sums in another order (bf16 gradients: within one rounding of each other); at 32768
     query rows the row ids fill the int16 scratch."""
+    from lik_plugins.kernels.common import COMPACT_MAX_ROWS
+    from lik_plugins.kernels.triton import backward_launch
+
     nq, nj, lq, ld, d = shape
-    assert nq * lq <= launch.COMPACT_MAX_ROWS
+    assert nq * lq <= COMPACT_MAX_ROWS
     Q, D, qm, dm = dense_inputs(nq, nj, lq, ld, d, torch.bfloat16, kd=False)
     Q.requires_grad_(); D.requires_grad_()
     grads = []
     for compact in (True, False):
-        monkeypatch.setattr(launch, "COMPACT_LOWMEM", compact)
+        monkeypatch.setattr(backward_launch, "COMPACT_MIN_WORK", 0 if compact else 1 << 62)
+        launch.clear_plans()
         out = lik.maxsim(Q, D, qm, dm, backward="lowmem")
         grads.append(torch.autograd.grad(out, (Q, D), torch.ones_like(out)))
+    launch.clear_plans()
     assert torch.equal(grads[0][0], grads[1][0])          # grad_Q: the same gather
     assert rel_err(grads[0][1], grads[1][1]) < 1e-2
 
@@ -242,16 +223,18 @@ def test_compact_and_dense_lowmem_agree(monkeypatch, shape):
     (32, torch.bfloat16), (64, torch.bfloat16), (128, torch.bfloat16), (32, torch.float32), (64, torch.float32),
 ], ids=["bf16-32", "bf16-64", "bf16-128", "fp32-32", "fp32-64"])   # fp32 at 128: over shared memory, pruned
 def test_tail_tiles_equal_the_masked_tile_bit_for_bit(monkeypatch, block_n, dtype):
-    """Narrower tail tiles (``launch.TAIL_TILES``) give the same scores and winners, bit for
+    """Narrower tail tiles (``blocking.tail_tile``) give the same scores and winners, bit for
     bit, as a whole masked tile, at every BLOCK_N the autotuner may pick, on the tails that
     ColPali pages (1030), ColBERT documents (180, 300) and a second tail tile at BLOCK_N 128
     (200) leave; and both match fp64."""
+    from lik_plugins.kernels.triton import blocking
+
     force_forward_block_n(monkeypatch, block_n)
     for ld in (1030, 300, 200, 180):
         Q, D, qm, dm = dense_inputs(16, 24, 32, ld, 128, dtype, kd=False)
         got = {}
         for tails in (True, False):
-            monkeypatch.setattr(launch, "TAIL_TILES", tails)
+            monkeypatch.setattr(blocking, "TAIL_MIN_LD", 0 if tails else 1 << 62)
             launch.clear_plans()
             got[tails] = launch.forward(Q, D, qm, dm, cross=True, normalize=False, zero_mode=False, save_argmax=True)
         launch.clear_plans()
