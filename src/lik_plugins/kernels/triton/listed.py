@@ -178,8 +178,10 @@ def score_table(queries: list, q_lens: torch.Tensor, table: "Table", query_index
     Q = torch.cat([q.to(device) for q in queries])
     cu_q = torch.zeros(len(queries) + 1, dtype=torch.int64, device=device)
     torch.cumsum(q_lens, 0, out=cu_q[1:])
-    return score_listed(Q, cu_q, max(q.shape[0] for q in queries), table.doc, table.addresses, table.lengths,
-                        query_index, pad, round_maxima)
+    max_q = max(q.shape[0] for q in queries)
+    if table.addresses is None:
+        return _score_staged(Q, cu_q, max_q, table, query_index, pad, round_maxima)
+    return score_listed(Q, cu_q, max_q, table.doc, table.addresses, table.lengths, query_index, pad, round_maxima)
 
 
 @contextmanager
@@ -205,12 +207,12 @@ _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 class Table(NamedTuple):
     """A candidate list on the scoring device: what :func:`score_listed` reads."""
-    addresses: torch.Tensor   # int64 [N]: each candidate's first token
+    addresses: torch.Tensor | None   # int64 [N]: each candidate's first token (None: staged by chunks)
     lengths: torch.Tensor     # int64 [N]: its token count
     extra: torch.Tensor       # int64: the caller's integers, uploaded with the table
     host_lengths: list        # the token counts, as read on the host
     doc: torch.Tensor         # a candidate on the device (types the addresses)
-    hold: object              # storage the addresses point into (a staged copy), kept alive
+    hold: object              # a staged table's candidates and chunks
 
 
 def candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torch.device,
@@ -223,8 +225,9 @@ def candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torc
     each one's address and length (no copy of any token; each pass maps one C-level getter
     over the list -- no Python frame per tensor, which a list of thousands would feel -- and
     the integers go to the device through one buffer).  Candidates on the CPU for a CUDA
-    ``device`` are copied once into one pinned staging buffer and moved in one transfer;
-    their addresses are then offsets into that buffer, computed on the device."""
+    ``device`` are staged: :func:`score_table` copies them chunk by chunk through two pinned
+    host buffers and two device buffers of :data:`STAGE_BYTES` each (bounded memory, the
+    host's copying overlapped with the device's) and scores each chunk where it landed."""
     with paused_gc():
         return _candidate_table(candidates, dtype, dim, device, extra)
 
@@ -261,15 +264,68 @@ def _candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: tor
         return f"candidates on device {source} for scoring on {device}"
     if row_bytes % 16:
         return "candidate rows must be multiples of 16 bytes"
-    staged = torch.empty((sum(lengths), dim), dtype=dtype, pin_memory=True)
-    torch.cat(candidates, out=staged)
-    tokens = staged.to(device, non_blocking=True)
+    return _staged_table(candidates, lengths, extra, dtype, dim, device)
+
+
+#: Bytes of candidate tokens a staging buffer holds (two on the host, pinned, two on the device).
+STAGE_BYTES = 256 << 20
+
+
+def _staged_table(candidates: list, lengths: list, extra, dtype: torch.dtype, dim: int,
+                  device: torch.device) -> Table:
+    """A table of host-resident candidates, scored chunk by chunk as :func:`score_table` stages
+    them: ``addresses`` None, ``hold`` the candidates and their chunks (row ranges of at most
+    :data:`STAGE_BYTES` of tokens, or one longer candidate)."""
+    n = len(candidates)
+    row_bytes = dim * torch.empty((), dtype=dtype).element_size()
+    rows_per_stage = max(1, STAGE_BYTES // row_bytes)
+    chunks, r0, tokens = [], 0, 0
+    for r, length in enumerate(lengths):
+        if r > r0 and tokens + length > rows_per_stage:
+            chunks.append((r0, r, tokens))
+            r0, tokens = r, 0
+        tokens += length
+    if n:
+        chunks.append((r0, n, tokens))
     table = torch.frombuffer(array.array("q", lengths + list(extra)), dtype=torch.int64).to(device, non_blocking=True)
     lens = table[:n]
-    starts = torch.cumsum(lens, 0) - lens
-    # rows row_bytes apart from a base the allocator aligns: every address a multiple of 16
-    addresses = tokens.data_ptr() + starts * row_bytes
-    return Table(addresses, lens, table[n:], lengths, tokens, (tokens, staged))
+    return Table(None, lens, table[n:], lengths, torch.empty(0, dtype=dtype, device=device),
+                 (candidates, chunks, torch.cumsum(lens, 0) - lens, row_bytes))
+
+
+def _score_staged(Q, cu_q, max_q, table: Table, query_index, pad, round_maxima) -> torch.Tensor:
+    """:func:`score_listed` of a staged table: each chunk of candidates is concatenated into a
+    host buffer (pinned for a CUDA device), copied to a device buffer and scored in place
+    there; two buffers of each kind alternate, so the host fills one chunk while the device
+    copies and scores the previous one.  Device memory: two buffers, whatever the list."""
+    candidates, chunks, starts, row_bytes = table.hold
+    if not chunks:        # no candidates: the empty table's scores
+        return score_listed(Q, cu_q, max_q, table.doc, table.lengths, table.lengths, query_index, pad)
+    device, dtype, dim = Q.device, table.doc.dtype, Q.shape[1]
+    cuda = device.type == "cuda"
+    size = max(tokens for _, _, tokens in chunks)
+    host_buffers = [torch.empty((size, dim), dtype=dtype, pin_memory=cuda) for _ in range(min(2, len(chunks)))]
+    device_buffers = [torch.empty((size, dim), dtype=dtype, device=device) for _ in host_buffers]
+    copied = [None] * len(host_buffers)       # CUDA events: the copy out of each host buffer done
+    parts = []
+    for k, (r0, r1, tokens) in enumerate(chunks):
+        slot = k % len(host_buffers)
+        if copied[slot] is not None:
+            copied[slot].synchronize()        # the host buffer's previous chunk has left it
+        host = host_buffers[slot][:tokens]
+        torch.cat(candidates[r0:r1], out=host)
+        staged = device_buffers[slot][:tokens]
+        # the device buffer's previous chunk was scored by a launch queued before this copy
+        staged.copy_(host, non_blocking=True)
+        if cuda:
+            copied[slot] = torch.cuda.Event()
+            copied[slot].record()
+        # rows row_bytes apart from a base the allocator aligns: every address a multiple of 16
+        addresses = staged.data_ptr() + (starts[r0:r1] - starts[r0]) * row_bytes
+        parts.append(score_listed(Q, cu_q, max_q, staged, addresses, table.lengths[r0:r1],
+                                  None if query_index is None else query_index[r0:r1],
+                                  None if pad is None else pad[r0:r1], round_maxima))
+    return torch.cat(parts, dim=-1)
 
 
 __all__ = ["Table", "candidate_table", "paused_gc", "score_listed", "score_table"]
