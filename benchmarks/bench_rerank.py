@@ -262,7 +262,8 @@ def _report(args, rows, tmp):
         if "seconds" not in row:
             continue
         ref_variant = VARIANTS[row["host"]][0][0]
-        same_case = [r for r in rows if r.get("host") == row["host"] and r.get("case") == row["case"] and "seconds" in r]
+        same_case = [r for r in rows
+                     if r.get("host") == row["host"] and r.get("case") == row["case"] and "seconds" in r]
         ref = [r for r in same_case if r["variant"] == ref_variant]
         own = [r for r in same_case if r["variant"] != "ours"]
         if ref:
