@@ -253,7 +253,8 @@ def child(mode: str, step_kind: str, out: str) -> dict:
             totals[k] = round(totals.get(k, 0.0) + v, 3)
     row = {
         "mode": mode, "step": step_kind, "torch": torch.__version__, "triton": triton.__version__,
-        "device": torch.cuda.get_device_name(), "import_s": {"torch": t_torch, "triton": t_triton, "lik_plugins": t_lik},
+        "device": torch.cuda.get_device_name(),
+        "import_s": {"torch": t_torch, "triton": t_triton, "lik_plugins": t_lik},
         "first_step_s": first, "next_steps_s": again,
         "first_step_launch_wall_ms": round(sum(r["wall_ms"] for r in first_launches), 3),
         "first_of_variant_wall_ms": round(sum(r["wall_ms"] for r in first_launches if r["first_of_variant"]), 3),

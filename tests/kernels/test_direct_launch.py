@@ -117,14 +117,14 @@ def _gradients(lik, Q, D, pairs=False, specification=False):
 @pytest.mark.parametrize("route", ["compact", "dense", "winners", "split-gather"])
 def test_backward_plans_are_reused_per_geometry_and_stay_exact(monkeypatch, route):
     """A repeated lowmem backward replays its plan (one per geometry and route) and gives
-    the same gradients, bit for bit, as the call that made the plan; changing a blocking
-    constant makes a new plan instead of replaying the old one."""
+    the same gradients, bit for bit, as the call that made the plan; after a blocking
+    constant changes and the plans are cleared, the next call plans with the new blocking."""
     from lik_plugins._config import triton_interpret
 
     if not triton_interpret():
         pytest.skip("needs TRITON_INTERPRET=1")
     import lik_plugins as lik
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import backward_launch, blocking, launch
 
     monkeypatch.setenv("LIK_BACKEND", "triton")
     g = torch.Generator().manual_seed(1)
@@ -132,35 +132,38 @@ def test_backward_plans_are_reused_per_geometry_and_stay_exact(monkeypatch, rout
     Q = torch.randn(3, 6, 16, generator=g)
     D = torch.randn(3 if pairs else 4, 9, 16, generator=g)
     if route == "compact":
-        monkeypatch.setattr(launch, "COMPACT_MIN_WORK", 1)        # list the rows even at this size
+        monkeypatch.setattr(backward_launch, "COMPACT_MIN_WORK", 1)   # list the rows even at this size
     if route == "split-gather":
         Q, D = torch.randn(1, 4, 16, generator=g), torch.randn(40, 5, 16, generator=g)
-        monkeypatch.setattr(launch, "GATHER_STEP_ELEMS", 64)      # one document a step: 40 steps
-        monkeypatch.setattr(launch, "GATHER_SPLIT_MIN_STEPS", 2)  # split them over programs
+        monkeypatch.setattr(blocking, "GATHER_STEP_ELEMS", 64)       # one document a step: 40 steps
+        monkeypatch.setattr(blocking, "GATHER_SPLIT_MIN_STEPS", 2)   # split them over programs
     nq, lq, nj, ld = Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]
-    block_s, block_j, n_gather, n_split, _ = launch._gather_blocking(nq, nj, lq, 16, 132)
-    kind, gather = launch._lowmem_route(nq, lq, nj, ld, cross=not pairs, need_q=True, n_gather=n_gather,
-                                        n_split=n_split, sms=132)
+    block_s, block_j, n_gather, n_split, _ = blocking.gather_blocking(nq, nj, lq, 16, 132)
+    kind, gather = backward_launch._lowmem_route(nq, lq, nj, ld, cross=not pairs, need_q=True, n_gather=n_gather,
+                                                 n_split=n_split, sms=132)
     assert (kind, gather) == {"compact": ("compact", "ride"), "dense": ("dense", "ride"),
                               "winners": ("winners", "ride"), "split-gather": ("dense", "alone")}[route]
     launch.clear_plans()
     first = _gradients(lik, Q, D, pairs)
-    assert len(launch._LOWMEM_PLANS) == 1
+    assert len(backward_launch._LOWMEM_PLANS) == 1
     again = _gradients(lik, Q, D, pairs)
-    assert len(launch._LOWMEM_PLANS) == 1
+    assert len(backward_launch._LOWMEM_PLANS) == 1
     for a, b in zip(first, again):
         assert torch.equal(a, b)
     # the plan-made gradients are the specification's
     ref = _gradients(lik, Q.double(), D.double(), pairs, specification=True)
     for a, b in zip(first, ref):
         assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(launch, "GATHER_MAX_BLOCK_S", 2)
+    plan = next(iter(backward_launch._LOWMEM_PLANS.values()))
+    monkeypatch.setattr(blocking, "GATHER_MAX_BLOCK_S", 2)
+    launch.clear_plans()                        # plans do not key on the module's constants
     changed = _gradients(lik, Q, D, pairs)
-    assert len(launch._LOWMEM_PLANS) == 2
+    assert len(backward_launch._LOWMEM_PLANS) == 1
+    assert next(iter(backward_launch._LOWMEM_PLANS.values())) is not plan
     for a, b in zip(first, changed):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     launch.clear_plans()
-    assert launch._LOWMEM_PLANS == {}
+    assert backward_launch._LOWMEM_PLANS == {}
 
 
 def test_compact_row_lists_are_freed_before_a_separate_gather(monkeypatch):
@@ -173,14 +176,14 @@ def test_compact_row_lists_are_freed_before_a_separate_gather(monkeypatch):
     if not triton_interpret():
         pytest.skip("needs TRITON_INTERPRET=1")
     import lik_plugins as lik
-    from lik_plugins.kernels.triton import launch
+    from lik_plugins.kernels.triton import backward_launch, launch
 
     monkeypatch.setenv("LIK_BACKEND", "triton")
-    monkeypatch.setattr(launch, "COMPACT_MIN_WORK", 1)
-    monkeypatch.setattr(launch, "GATHER_ALONE_MIN_WAVES", 0)   # the gather never rides
+    monkeypatch.setattr(backward_launch, "COMPACT_MIN_WORK", 1)
+    monkeypatch.setattr(backward_launch, "GATHER_ALONE_MIN_WAVES", 0)   # the gather never rides
     nq, lq, nj = 3, 6, 4
     live_lists = []
-    real_gather = launch._gather_pass
+    real_gather = backward_launch._gather_pass
 
     def gather(*args, **kw):
         gc.collect()
@@ -189,7 +192,7 @@ def test_compact_row_lists_are_freed_before_a_separate_gather(monkeypatch):
                               and o.dtype == torch.int16 and tuple(o.shape) == (nj, nq * lq)))
         return real_gather(*args, **kw)
 
-    monkeypatch.setattr(launch, "_gather_pass", gather)
+    monkeypatch.setattr(backward_launch, "_gather_pass", gather)
     g = torch.Generator().manual_seed(2)
     Q = torch.randn(nq, lq, 16, generator=g, requires_grad=True)
     D = torch.randn(nj, 9, 16, generator=g, requires_grad=True)

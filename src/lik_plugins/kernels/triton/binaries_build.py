@@ -40,7 +40,8 @@ def entry_for(kernel, args: tuple, meta: dict, compiled) -> dict:
     refused = [why for why, bad in (
         ("global scratch memory", md.global_scratch_size), ("profile scratch memory", md.profile_scratch_size),
         ("thread-block clusters", md.num_ctas != 1), ("programmatic dependent launch", md.launch_pdl),
-        ("a cooperative grid", md.launch_cooperative_grid), ("tensor descriptors", getattr(md, "tensordesc_meta", None)),
+        ("a cooperative grid", md.launch_cooperative_grid),
+        ("tensor descriptors", getattr(md, "tensordesc_meta", None)),
     ) if bad]
     if refused:
         raise ValueError(f"{name}: needs {', '.join(refused)}, which the shipped-binary loader does not set up")
