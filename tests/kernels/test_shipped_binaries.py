@@ -267,6 +267,13 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     fresh_loader._devices[0].loaded.clear()
     assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
     assert "source differs" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
+    # or whose source cannot be read: no check, no binary
+    fresh_loader._stale.clear()
+    fresh_loader._hashes.clear()
+    monkeypatch.setattr(fresh_loader.linecache, "getlines", lambda filename: [])
+    fresh_loader._trees.clear()
+    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    assert "cannot be read" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
 
 
 def test_a_binary_declaring_other_parameters_is_not_launched(fresh_loader, stub, monkeypatch, built):

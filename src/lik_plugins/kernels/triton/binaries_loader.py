@@ -255,7 +255,12 @@ def find(kernel, variant: tuple, ordinal: int):
     name = variant[0]
     if name in _stale:
         return None
-    if device.kernels.get(name) != _kernel_hash(kernel):
+    try:
+        digest = _kernel_hash(kernel)
+    except (OSError, SyntaxError, LookupError) as exc:    # no source to check (a .pyc-only install)
+        _stale[name] = f"{name}: its source cannot be read to check the binaries ({type(exc).__name__}: {exc})"
+        return None
+    if device.kernels.get(name) != digest:
         _stale[name] = (f"{name}: its source differs from the one the {device.arch} binaries were built from"
                         if name in device.kernels else f"{name}: not among the shipped kernels")
         return None
