@@ -103,6 +103,10 @@ def child(mode: str, out: str, repeat: int) -> None:
         "first_pass_s": passes[0], "second_pass_s": passes[1],
         "first_launches": first_launches,
         "first_launch_total_ms": round(sum(r["wall_ms"] for r in first_launches), 2),
+        # time inside Triton's JIT, compiler and driver during first launches (shipped: none expected)
+        "first_launch_triton_ms": round(sum(v for r in first_launches for k, v in r["phases"].items()
+                                            if k.startswith("triton:")), 2),
+        "jit_launches_first_pass": sum(1 for r in first_launches if any(k.startswith("triton:") for k in r["phases"])),
         "launch_host_us_median": per_launch_us[len(per_launch_us) // 2] if per_launch_us else None,
         "launches_per_call": len(timed) / repeat,
         "call_host_us": call_s * 1e6,
@@ -219,7 +223,8 @@ def main() -> int:
         row["process_s"] = wall
         summary["modes"][mode] = row
         print(f"{mode}: first pass {row['first_pass_s']:.2f} s (first launches {row['first_launch_total_ms']:.0f} ms "
-              f"over {len(row['first_launches'])} variants), second pass {row['second_pass_s']:.3f} s; "
+              f"over {len(row['first_launches'])} variants, {row['first_launch_triton_ms']:.0f} ms in Triton, "
+              f"{row['jit_launches_first_pass']} through it), second pass {row['second_pass_s']:.3f} s; "
               f"launch {row['launch_host_us_median']:.1f} us host, call {row['call_host_us']:.1f} us; "
               f"shipped: {json.dumps(row['shipped']['devices'])}; process {wall:.1f} s")
     summary["correctness"] = _compare(args.out, MODES)
