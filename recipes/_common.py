@@ -98,6 +98,14 @@ def with_hard_negatives(pairs: list[dict], seed: int = 0) -> list[dict]:
     return out
 
 
+def triplets(rows: list[dict]):
+    """A ``datasets.Dataset`` of (query, positive, negative) from rows of :func:`with_hard_negatives`."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"query": [r["query"] for r in rows], "positive": [r["passage"] for r in rows],
+                              "negative": [r["negative"] for r in rows]})
+
+
 # ----------------------------------------------------------------------------- model
 
 

@@ -20,13 +20,9 @@ import _common  # noqa: E402
 
 
 def build(args, model, train_pairs):
-    from datasets import Dataset
     from pylate import losses
 
-    rows = _common.with_hard_negatives(train_pairs, seed=args.seed)
-    dataset = Dataset.from_dict(
-        {"query": [r["query"] for r in rows], "positive": [r["passage"] for r in rows], "negative": [r["negative"] for r in rows]}
-    )
+    dataset = _common.triplets(_common.with_hard_negatives(train_pairs, seed=args.seed))
     return losses.Contrastive(model=model, temperature=args.temperature), dataset
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support.dist_launch import require_distributed, run_ranks
+from support.dist_launch import assert_gloo_job, require_distributed, run_ranks
 
 require_distributed("colpali_engine", "datasets", "accelerate")
 
@@ -73,9 +73,7 @@ def _ours(paths: dict) -> int:
 
 
 def test_the_job_ran_on_gloo_with_two_ranks(job):
-    ranks, _ = job
-    assert [r["rank"] for r in ranks] == list(range(WORLD))
-    assert all(r["world_size"] == WORLD and r["backend"] == "gloo" for r in ranks)
+    assert_gloo_job(job[0], WORLD)
 
 
 @pytest.mark.parametrize("key", sorted(HEADS))

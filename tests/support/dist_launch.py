@@ -127,6 +127,12 @@ def run_ranks(worker: Path, out_dir: Path, args=(), world_size: int = 2, timeout
     return results
 
 
+def assert_gloo_job(ranks: list[dict], world_size: int) -> None:
+    """Every rank of a gloo job of ``world_size`` processes reported, in rank order."""
+    assert [r["rank"] for r in ranks] == list(range(world_size))
+    assert all(r["world_size"] == world_size and r["backend"] == "gloo" for r in ranks)
+
+
 def write_result(out_dir: str, rank: int, result: dict) -> None:
     """Worker side: write this rank's result document."""
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:

@@ -285,18 +285,11 @@ def test_kill_switch_leaves_pylate_exactly_as_it_is(patched, monkeypatch, value,
 
 
 def _snapshot():
-    import sys
-
     import pylate.losses as losses
 
-    names = ("colbert_scores", "colbert_kd_scores", "colbert_scores_pairwise")
-    mods = {
-        (n, a): vars(m)[a]
-        for n, m in sorted(sys.modules.items())
-        if m is not None and n.startswith("pylate") and hasattr(m, "__dict__")
-        for a in names
-        if a in vars(m)
-    }
+    from support.host_state import module_globals
+
+    mods = module_globals("pylate", ("colbert_scores", "colbert_kd_scores", "colbert_scores_pairwise"))
     classes = {c.__name__: dict(vars(c)) for c in (losses.Contrastive, losses.CachedContrastive, losses.Distillation)}
     defaults = {c.__name__: c.__init__.__defaults__ for c in (losses.Contrastive, losses.CachedContrastive, losses.Distillation)}
     return mods, classes, defaults

@@ -1,0 +1,16 @@
+"""What a patch may change in a host, read so a test can check that unpatching restores it."""
+from __future__ import annotations
+
+import sys
+
+
+def module_globals(prefix: str, names: tuple[str, ...]) -> dict:
+    """``{(module, name): value}`` for every loaded module under ``prefix`` holding a global
+    called one of ``names`` (the patchers replace such globals, re-exports included)."""
+    return {
+        (n, a): vars(m)[a]
+        for n, m in sorted(sys.modules.items())
+        if m is not None and n.startswith(prefix) and hasattr(m, "__dict__")
+        for a in names
+        if a in vars(m)
+    }
