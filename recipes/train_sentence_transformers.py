@@ -78,7 +78,6 @@ def load_model(path: str, args):
 
 def run(encoder: str, train_rows: list[dict], held_out: list[dict], args, patched: bool) -> dict:
     import torch
-    from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
     from sentence_transformers import MultiVectorEncoderTrainer, MultiVectorEncoderTrainingArguments
     from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
@@ -93,8 +92,7 @@ def run(encoder: str, train_rows: list[dict], held_out: list[dict], args, patche
     loss = MultiVectorMultipleNegativesRankingLoss(model)
     losses: list[float] = []
     hook = loss.register_forward_hook(lambda _m, _i, out: losses.append(float(out.detach())))
-    dataset = Dataset.from_dict({"query": [r["query"] for r in train_rows], "positive": [r["passage"] for r in train_rows],
-                                 "negative": [r["negative"] for r in train_rows]})
+    dataset = _common.triplets(train_rows)
     with tempfile.TemporaryDirectory() as out_dir:
         training_args = MultiVectorEncoderTrainingArguments(
             output_dir=out_dir, per_device_train_batch_size=args.batch_size, max_steps=args.steps,

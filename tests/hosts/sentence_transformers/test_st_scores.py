@@ -256,16 +256,10 @@ def test_kill_switch_is_st_bit_for_bit(patched, monkeypatch):
 
 
 def _snapshot():
-    import sys
+    from support.host_state import module_globals
 
     names = ("maxsim", "maxsim_pairwise", "_maxsim_score_documents", "_maxsim_score_pairs", "colbert_scores", "colbert_kd_scores")
-    globals_ = {
-        (n, a): vars(m)[a]
-        for n, m in sorted(sys.modules.items())
-        if m is not None and n.startswith("sentence_transformers") and hasattr(m, "__dict__")
-        for a in names
-        if a in vars(m)
-    }
+    globals_ = module_globals("sentence_transformers", names)
     from sentence_transformers import MultiVectorEncoder
     from sentence_transformers.multi_vector_encoder import losses
 
