@@ -43,6 +43,7 @@ is not MaxSim: ``xtr_scores`` & co. stay on ST's path.
 from __future__ import annotations
 
 import inspect
+from operator import attrgetter
 from typing import Any, Callable
 
 import numpy as np
@@ -198,9 +199,6 @@ def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if not isinstance(b[0], torch.Tensor) or b[0].device != device or (
             target is not None and torch.device(target) != device):
         return None
-    if torch.is_grad_enabled() and (any(q.requires_grad for q in a) or any(
-            getattr(d, "requires_grad", False) for d in b)):
-        return None   # scores only: a gradient goes through ST's chunk scorers
     if _ops().served_by(first) != "triton":
         return None
     from ..kernels.triton.listed import candidate_table, score_table
@@ -209,6 +207,9 @@ def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     table = candidate_table(b, dtype, dim, device, extra=[q.shape[0] for q in a])
     if isinstance(table, str):
         return None
+    # every document is a plain tensor now (candidate_table checked): one C-level pass
+    if torch.is_grad_enabled() and (any(q.requires_grad for q in a) or any(map(_REQUIRES_GRAD, b))):
+        return None   # scores only: a gradient goes through ST's chunk scorers
     q_lens = table.extra
     with torch.no_grad():
         if pairwise:
@@ -222,6 +223,9 @@ def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
         counts = q_lens.to(scores.dtype)
         scores = scores / (counts if pairwise else counts.unsqueeze(1))
     return scores
+
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 def _loop(name: str) -> Callable:
