@@ -81,6 +81,33 @@ def _check(got, want, bound):
     assert rel_err(got, want, bound) < FP32_TOL
 
 
+def _packed_queries_and_documents(case):
+    """``(generator, query lengths, document lengths, (Q, cu_q), (D, cu_d))`` of a case."""
+    gen = generator(case["seed"])
+    lq, ld = _lengths(gen, case["nq"], case["max_q"]), _lengths(gen, case["nd"], case["max_d"])
+    return gen, lq, ld, _packed(gen, lq, case["d"]), _packed(gen, ld, case["d"])
+
+
+def _check_packed_op(case, backend, budget, gen, Q, D, q_mask, d_mask, score, spec):
+    """``score(Q, D, **options)`` on ``backend`` (chunk budget ``budget``) against the float64
+    ``spec`` with the same options: the scores, and the gradients of a random weighting of
+    them (zero where no score depends on a token)."""
+    kw = dict(q_mask=q_mask, d_mask=d_mask, normalize=case["normalize"], mask_mode=case["mask_mode"])
+    Q.requires_grad_()
+    D.requires_grad_()
+    with _env(LIK_BACKEND=backend, LIK_CHUNK_ELEMENTS=budget):
+        out = score(Q, D, **kw)
+        w = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        got = _weighted_grads(out, (Q, D), w)
+    Q64, D64 = (t.detach().double().requires_grad_() for t in (Q, D))
+    want = spec(Q64, D64, **kw)
+    _check(out, want, spec(Q64.detach().abs(), D64.detach().abs(), **{**kw, "mask_mode": "exclude"}))
+    want_g = _weighted_grads(want, (Q64, D64), w) if want.numel() else (torch.zeros_like(Q64), torch.zeros_like(D64))
+    for a, r in zip(got, want_g):
+        a = torch.zeros_like(r) if a is None else a
+        assert rel_err(a, r) < FP32_TOL
+
+
 # ------------------------------------------------------------------ maxsim_varlen
 SHAPES = {  # (queries, documents, longest query, longest document)
     "many-docs": (st.integers(1, 2), st.integers(100, 300), 48, 1000),
@@ -100,25 +127,11 @@ def varlen_case(draw, shapes=tuple(SHAPES)):
 
 
 def _varlen_check(case, backend, budget):
-    gen = generator(case["seed"])
-    lq, ld = _lengths(gen, case["nq"], case["max_q"]), _lengths(gen, case["nd"], case["max_d"])
-    Q, cu_q = _packed(gen, lq, case["d"])
-    D, cu_d = _packed(gen, ld, case["d"])
+    gen, lq, ld, (Q, cu_q), (D, cu_d) = _packed_queries_and_documents(case)
     q_mask, d_mask = _mask(gen, Q.shape[0], case["masks"]), _mask(gen, D.shape[0], case["masks"])
-    kw = dict(q_mask=q_mask, d_mask=d_mask, normalize=case["normalize"], mask_mode=case["mask_mode"])
-    Q.requires_grad_()
-    D.requires_grad_()
-    with _env(LIK_BACKEND=backend, LIK_CHUNK_ELEMENTS=budget):
-        out = lik.maxsim_varlen(Q, D, cu_q, cu_d, max(lq), max(ld), **kw)
-        w = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-        got = _weighted_grads(out, (Q, D), w)
-    Q64, D64 = (t.detach().double().requires_grad_() for t in (Q, D))
-    want = reference.maxsim_varlen(Q64, D64, cu_q, cu_d, **kw)
-    bound = reference.maxsim_varlen(Q64.detach().abs(), D64.detach().abs(), cu_q, cu_d, q_mask=q_mask,
-                                    d_mask=d_mask, normalize=case["normalize"])
-    _check(out, want, bound)
-    for a, r in zip(got, _weighted_grads(want, (Q64, D64), w)):
-        assert rel_err(a, r) < FP32_TOL
+    _check_packed_op(case, backend, budget, gen, Q, D, q_mask, d_mask,
+                     lambda q, d, **kw: lik.maxsim_varlen(q, d, cu_q, cu_d, max(lq), max(ld), **kw),
+                     lambda q, d, **kw: reference.maxsim_varlen(q, d, cu_q, cu_d, **kw))
 
 
 @settings(max_examples=8, **SETTINGS)
@@ -180,10 +193,7 @@ def pairs_case(draw, max_seqs=300, max_len=1000, max_pairs=300):
 
 
 def _pairs_check(case, backend, budget):
-    gen = generator(case["seed"])
-    lq, ld = _lengths(gen, case["nq"], case["max_q"]), _lengths(gen, case["nd"], case["max_d"])
-    Q, cu_q = _packed(gen, lq, case["d"])
-    D, cu_d = _packed(gen, ld, case["d"])
+    gen, lq, ld, (Q, cu_q), (D, cu_d) = _packed_queries_and_documents(case)
     n = case["n_pairs"]
     pq = torch.randint(0, case["nq"], (n,), generator=gen)
     pd = torch.randint(0, case["nd"], (n,), generator=gen)
@@ -192,22 +202,10 @@ def _pairs_check(case, backend, budget):
     if case["order"] == "by-query":                            # runs of one query (a rerank's layout)
         pq = pq.sort().values
     q_mask, d_mask = _mask(gen, Q.shape[0], case["masks"]), _mask(gen, D.shape[0], case["masks"])
-    kw = dict(q_mask=q_mask, d_mask=d_mask, normalize=case["normalize"], mask_mode=case["mask_mode"])
-    Q.requires_grad_()
-    D.requires_grad_()
-    with _env(LIK_BACKEND=backend, LIK_CHUNK_ELEMENTS=budget):
-        out = lik.score_pairs_packed(Q, D, cu_q, cu_d, pq, pd, max_seqlen_q=max(lq), max_seqlen_d=max(ld), **kw)
-        w = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-        got = _weighted_grads(out, (Q, D), w)
-    Q64, D64 = (t.detach().double().requires_grad_() for t in (Q, D))
-    want = reference.score_pairs_packed(Q64, D64, cu_q, cu_d, pq, pd, **kw)
-    bound = reference.score_pairs_packed(Q64.detach().abs(), D64.detach().abs(), cu_q, cu_d, pq, pd,
-                                         q_mask=q_mask, d_mask=d_mask, normalize=case["normalize"])
-    _check(out, want, bound)
-    want_g = _weighted_grads(want, (Q64, D64), w) if n else (torch.zeros_like(Q64), torch.zeros_like(D64))
-    for a, r in zip(got, want_g):
-        a = torch.zeros_like(r) if a is None else a
-        assert rel_err(a, r) < FP32_TOL
+    _check_packed_op(case, backend, budget, gen, Q, D, q_mask, d_mask,
+                     lambda q, d, **kw: lik.score_pairs_packed(q, d, cu_q, cu_d, pq, pd, max_seqlen_q=max(lq),
+                                                               max_seqlen_d=max(ld), **kw),
+                     lambda q, d, **kw: reference.score_pairs_packed(q, d, cu_q, cu_d, pq, pd, **kw))
 
 
 @settings(max_examples=8, **SETTINGS)
