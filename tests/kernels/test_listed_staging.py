@@ -56,3 +56,26 @@ def test_staged_scores_equal_in_place_scores(listed, monkeypatch, stage_rows, cr
     got = module.score_table(queries, staged.extra, staged, qidx, pad, round_maxima=True)
     assert got.shape == want.shape == ((3, n) if cross else (n,))
     assert torch.equal(got, want)
+
+
+def test_pylate_rerank_of_a_staged_table_equals_in_place(listed, monkeypatch):
+    """PyLate's rerank over a staged table (host-resident candidates for a CUDA device) ranks
+    like the same candidates read in place: the adapter must not need the addresses."""
+    from lik_plugins.pylate._rerank import _rerank_listed
+
+    module, device = listed
+    dtype = torch.bfloat16
+    queries, docs = _inputs(dtype)
+    counts = [4, 3, 3]
+    extra = [q.shape[0] for q in queries] + counts
+    ids = [[f"q{i}d{j}" for j in range(n)] for i, n in enumerate(counts)]
+    starts = [0, 4, 7]
+    longest = [max(d.shape[0] for d in docs[s:s + n]) for s, n in zip(starts, counts)]
+    on_device = [q.to(device) for q in queries]
+    in_place = module.candidate_table([d.to(device) for d in docs], dtype, DIM, device, extra=extra)
+    monkeypatch.setattr(module, "STAGE_BYTES", 12 * DIM * 2)
+    staged = module._staged_table(docs, [d.shape[0] for d in docs], extra, dtype, DIM, device)
+    want = _rerank_listed(on_device, in_place, counts, longest, ids, device)
+    got = _rerank_listed(on_device, staged, counts, longest, ids, device)
+    assert [len(r) for r in got] == counts
+    assert got == want

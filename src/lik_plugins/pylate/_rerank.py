@@ -152,7 +152,7 @@ def _rerank_listed(queries, table, counts, longest, ids, target):
 
     nq, dtype = len(queries), queries[0].dtype
     q_lens, n_cands = table.extra[:nq], table.extra[nq:]
-    total = len(table.addresses)
+    total = len(table.host_lengths)       # addresses is None for a staged (host-resident) table
     query_index = torch.repeat_interleave(torch.arange(nq, device=target), n_cands, output_size=total)
     # PyLate's zero padding joins the max of every candidate shorter than its list's longest
     pad = table.lengths < torch.tensor(longest).to(target, non_blocking=True)[query_index]
