@@ -302,6 +302,8 @@ def parity(src: Source):
 def rerank(src: Source):
     """bench_rerank.py: candidate lists scored through each host, per (host, case, variant)."""
     for r in src.data["rows"]:
+        if "error" in r:      # a variant that failed measured nothing
+            continue
         case = f"{r['case']} {r['queries']} queries x {r['candidates_per_query']} candidates"
         runs = r.get("all_seconds") or []
         spread = f"{len(runs)} runs {_g(min(runs))}-{_g(max(runs))} s" if len(runs) > 1 else ""
@@ -310,7 +312,8 @@ def rerank(src: Source):
         yield src.row(case, r["variant"], "queries_per_s", r.get("queries_per_s"), "1/s", host=host)
         if r.get("peak_gpu_bytes"):
             yield src.row(case, r["variant"], "peak_memory", r["peak_gpu_bytes"] / 2**20, "MiB", host=host)
-        for metric in ("identical_ranking_share", "identical_top10_share", "speedup_vs_fastest_host_backend"):
+        for metric in ("identical_ranking_share", "identical_top10_share", "speedup_vs_fastest_host_backend",
+                       "worst_case_speedup"):
             yield src.row(case, r["variant"], metric, r.get(metric), host=host)
 
 
