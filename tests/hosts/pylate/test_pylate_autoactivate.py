@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lik_plugins import _autoactivate
+from support.autoactivation import training_script
 
 TESTS = Path(__file__).resolve().parents[2]  # on the subprocess's PYTHONPATH: the package support
 
@@ -55,17 +56,7 @@ def test_activation_waits_for_the_host_import():
     assert got == {"lik_plugins": True, "lik_plugins._autoactivate": True, "torch": False, "pylate": False}
 
 
-TRAIN = """
-import json, os, tempfile
-from support import pylate_tiny as tiny   # builds a tiny offline ColBERT; never imports lik_plugins
-with tempfile.TemporaryDirectory() as tmp:
-    encoder = tiny.save_tiny_encoder(os.path.join(tmp, "enc"))
-    model = tiny.load_colbert(encoder)
-    losses = tiny.train(model, tiny.make_loss("contrastive", model), "contrastive", os.path.join(tmp, "w"))
-import sys
-counts = sys.modules["lik_plugins"].routing_counts() if "lik_plugins" in sys.modules else {}
-print(json.dumps({"losses": losses, "counts": counts}))
-"""
+TRAIN = training_script("pylate_tiny", "load_colbert", "contrastive")
 
 
 def test_zero_code_training_is_routed_and_matches():

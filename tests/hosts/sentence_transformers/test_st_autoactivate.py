@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from support import st_tiny
+from support.autoactivation import training_script
 
 st_tiny.require_st6()
 
@@ -52,16 +53,7 @@ def test_nothing_imported_unless_asked_and_then_only_the_hook():
         "lik_plugins": True, "torch": False, "sentence_transformers": False}
 
 
-TRAIN = """
-import json, os, sys, tempfile
-from support import st_tiny   # builds a tiny offline MultiVectorEncoder; never imports lik_plugins
-with tempfile.TemporaryDirectory() as tmp:
-    encoder = st_tiny.save_tiny_encoder(os.path.join(tmp, "enc"))
-    model = st_tiny.load_encoder(encoder)
-    losses = st_tiny.train(model, st_tiny.make_loss("mnrl", model), "mnrl", os.path.join(tmp, "w"))
-counts = sys.modules["lik_plugins"].routing_counts() if "lik_plugins" in sys.modules else {}
-print(json.dumps({"losses": losses, "counts": counts}))
-"""
+TRAIN = training_script("st_tiny", "load_encoder", "mnrl")
 
 
 @pytest.fixture(scope="module")
