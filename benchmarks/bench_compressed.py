@@ -125,7 +125,7 @@ def _bucket_slots_low_first(residuals: torch.Tensor, nbits: int, dim: int) -> to
     in byte ``h // (8 / nbits)``, at bit offset ``(h % (8 / nbits)) * nbits`` from the least
     significant bit (its ``maxsim_residual`` docstring: "little-endian within the byte").
     Ours is ColBERTv2's: each bucket's bits least significant first in a stream packed most
-    significant bit first (``lik_plugins.plaid``)."""
+    significant bit first (``lik_plugins.ops.plaid``)."""
     per_byte = 8 // nbits
     shifts = torch.arange(per_byte, device=residuals.device) * nbits
     out = torch.empty_like(residuals)

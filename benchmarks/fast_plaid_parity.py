@@ -9,7 +9,7 @@ repository on ``PYTHONPATH``.  It runs on a CPU.
 
 For each ``nbits``: fast-plaid builds an index of random unit-norm documents on the CPU;
 its stored codes, residual bytes, centroids and bucket weights go through
-``lik_plugins.plaid.decompress`` and are compared (after L2 normalisation, as ColBERTv2
+``lik_plugins.ops.plaid.decompress`` and are compared (after L2 normalisation, as ColBERTv2
 reconstructs) with fast-plaid's ``get_embeddings``.  Also reported: the same with the bit
 order inside each byte reversed (what a wrong layout looks like).  fast-plaid keeps fp16
 centroids and reconstructs in fp16: the tolerance is two fp16 ulps of a unit-norm component
@@ -82,7 +82,7 @@ def main() -> int:
     lines = ["# ColBERTv2 residual decompression: lik_plugins against fast-plaid", "",
              f"torch {meta['torch']}, fast-plaid {meta['fast_plaid']}, CPU. Command: `{meta['command']}`", "",
              "60 random unit-norm documents of 5-39 tokens, d = 64, indexed by fast-plaid; its stored codes and "
-             "residuals decompressed by `lik_plugins.plaid.decompress`, L2-normalised, against its `get_embeddings`.",
+             "residuals decompressed by `lik_plugins.ops.plaid.decompress`, L2-normalised, against its `get_embeddings`.",
              "", "| nbits | tokens | bytes / token | max abs diff | with the bit order reversed | tolerance "
              "| fast-plaid vs the original tokens |", "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -11,7 +11,7 @@ quote them, and README "Install" shows the same strings (a test keeps them equal
 from __future__ import annotations
 
 # pip check then reports only "pylate 1.6.0 requires fast-plaid" (needed by PyLate's PLAID
-# index alone; lik_plugins.plaid covers the compressed index without it).
+# index alone; lik_plugins.ops.plaid covers the compressed index without it).
 PYLATE = ("pip install sentence-transformers==5.3.0 transformers==5.3.0 datasets accelerate pandas ujson==5.12.0 "
           "ninja==1.11.1.4 fastkmeans==0.5.0 && pip install --no-deps pylate==1.6.0")
 
