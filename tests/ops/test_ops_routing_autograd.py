@@ -9,7 +9,7 @@ import torch
 import lik_plugins as lik
 from lik_plugins.autograd.dense import choose_backward
 from lik_plugins.kernels import reference
-from lik_plugins.kernels.dispatch import served_by
+from lik_plugins.kernels.dispatch import served_by, why_not
 from support.maxsim_testlib import backend_params, check_against_reference, make_inputs, rel_err
 
 BACKENDS = backend_params()
@@ -211,6 +211,32 @@ def test_forced_triton_without_interpreter_says_why(gen, monkeypatch):
     Q, _, _, _ = _small(gen)
     with pytest.raises(RuntimeError, match=r"LIK_BACKEND=triton, but .*set TRITON_INTERPRET=1"):
         served_by(Q)
+
+
+def test_each_backend_says_why_it_does_not_serve(monkeypatch):
+    """The chooser's reasons: CPU tensors under the default settings, then the reference
+    requested, then the Triton kernels asked for with embeddings too wide for a built
+    document (served by the chunked path, the reason named) but not for the smooth max."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t, wide = torch.zeros(2, 3, 8), torch.zeros(2, 3, 384)
+    assert served_by(t) == "torch-chunked" and why_not("torch-chunked", t) == ""
+    assert "LIK_DISABLE=1 or LIK_BACKEND=reference" in why_not("reference", t)
+    assert "take MPS tensors" in why_not("metal", t)
+    assert "only with LIK_BACKEND=triton" in why_not("triton", t) or "not installed" in why_not("triton", t)
+    monkeypatch.setenv("LIK_DISABLE", "1")
+    assert served_by(t) == "reference" and why_not("reference", t) == ""
+    monkeypatch.delenv("LIK_DISABLE")
+    from lik_plugins.kernels.device import triton_available
+
+    if not triton_available():
+        return
+    monkeypatch.setenv("LIK_BACKEND", "triton")
+    assert why_not("triton", t, "residual") == "" and served_by(t, "residual") == "triton"
+    assert "wider than 256" in why_not("triton", wide, "residual")
+    assert served_by(wide, "residual") == served_by(wide, "hidden") == "torch-chunked"
+    assert served_by(wide, "smooth") == "triton"     # asked for: the smooth kernel takes any width
+    monkeypatch.setenv("LIK_BACKEND", "auto")
+    assert served_by(wide, "smooth") == "torch-chunked" and served_by(t, "fp8") == "triton"
 
 
 def test_invalid_lik_backend(gen, monkeypatch):
