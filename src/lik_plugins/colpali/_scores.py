@@ -37,8 +37,14 @@ def eligible(*tensors: torch.Tensor) -> bool:
     """Our ops serve these inputs exactly as colpali's einsum would: floating tensors of one
     dtype on one device, non-empty, same embedding dim.  Anything else runs the original
     code (which raises colpali's own error where it has one).  Each check maps a C-level
-    getter over the inputs: ``score_multi_vector`` passes thousands of passages a call."""
+    getter over the inputs: ``score_multi_vector`` passes thousands of passages a call.  The
+    loss heads pass two or three tensors, under ``torch.compile`` too, which cannot trace a
+    C-level getter: a short argument list is checked one tensor at a time."""
     first = tensors[0]
+    if len(tensors) <= _FEW:
+        return first.is_floating_point() and all(
+            isinstance(t, torch.Tensor) and t.dim() > 0 and t.dtype == first.dtype and t.device == first.device
+            and t.numel() > 0 and t.shape[-1] == first.shape[-1] for t in tensors)
     if not all(issubclass(kind, torch.Tensor) for kind in set(map(type, tensors))):
         return False
     if set(map(_DTYPE, tensors)) != {first.dtype} or not first.is_floating_point():
@@ -48,6 +54,7 @@ def eligible(*tensors: torch.Tensor) -> bool:
     return len(set(map(_LAST, map(_SHAPE, tensors)))) == 1
 
 
+_FEW = 8        # up to this many inputs, eligible() checks them one by one
 _DTYPE, _DEVICE, _SHAPE, _LAST = attrgetter("dtype"), attrgetter("device"), attrgetter("shape"), itemgetter(-1)
 
 

@@ -78,6 +78,14 @@ def _triton_refuses(t: torch.Tensor, op: str, asked: bool) -> str:
     """Why the Triton kernels do not serve ``op`` on ``t`` ("" when they do); ``asked``:
     ``LIK_BACKEND=triton`` (the interpreter then serves CPU tensors, and the smooth kernel
     any width)."""
+    # the device's own refusals first: they need no import, so a CPU call under torch.compile
+    # traces without asking for Triton (an import call breaks the graph)
+    if not t.is_cuda:
+        if t.device.type != "cpu" or not triton_interpret():
+            return f"no Triton kernel for {t.device.type} tensors (set TRITON_INTERPRET=1 to interpret on CPU)"
+        if not (asked or op == "fp8"):
+            # the interpreter is for testing the kernels: asked for, or fp8 (CI covers that kernel so)
+            return "CPU tensors take the Triton kernels (interpreted) only with LIK_BACKEND=triton"
     if not triton_available():
         return "triton is not installed"
     if op not in _QUANTISED_OPS and t.dtype not in KERNEL_DTYPES:
@@ -87,11 +95,6 @@ def _triton_refuses(t: torch.Tensor, op: str, asked: bool) -> str:
         if capability(t.get_device()) < need:   # the index without building a torch.device
             what = "fp8 products need" if op == "fp8" else "the Triton kernels need"
             return f"{what} compute capability {need[0]}.{need[1]} or newer"
-    elif t.device.type != "cpu" or not triton_interpret():
-        return f"no Triton kernel for {t.device.type} tensors (set TRITON_INTERPRET=1 to interpret on CPU)"
-    elif not (asked or op == "fp8"):
-        # the interpreter is for testing the kernels: asked for, or fp8 (CI covers that kernel so)
-        return "CPU tensors take the Triton kernels (interpreted) only with LIK_BACKEND=triton"
     return ""
 
 
