@@ -28,7 +28,7 @@ from typing import Any
 
 from .._patching import PatchLedger, PatchLock, instance_slot_property, lookalike
 from . import _layout as layout_mod
-from . import _plaid_search, _scores
+from . import _plaid_search, _rerank, _scores
 
 _lock = PatchLock()
 _ledger = PatchLedger("pylate")
@@ -36,6 +36,8 @@ _current: layout_mod.PyLateLayout | None = None
 #: One lookalike per original for the life of a patch (identity matters: the instance slots
 #: map adapters back to originals, and re-applying must find the same objects).
 _served: dict = {}
+#: the adapter of each captured name: the scoring functions, and the whole loops (``_layout.LOOPS``)
+_ADAPTERS = {**_scores.ADAPTERS, "rerank": _rerank.rerank}
 
 
 def _lookalikes(layout: layout_mod.PyLateLayout) -> dict:
@@ -44,7 +46,7 @@ def _lookalikes(layout: layout_mod.PyLateLayout) -> dict:
     if not _served:
         for name in (*layout_mod.FUNCTIONS, *(n for n in layout_mod.LOOPS if n in layout.originals)):
             original = layout.originals[name]
-            _served[original] = lookalike(_scores.ADAPTERS[name], original)
+            _served[original] = lookalike(_ADAPTERS[name], original)
         call = layout.originals.get("ColBERTScores.__call__")
         if call is not None:
             _served[call] = lookalike(_scores.colbert_scores_call, call)

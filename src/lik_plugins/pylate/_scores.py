@@ -343,8 +343,3 @@ ADAPTERS = {
     "colbert_kd_scores": colbert_kd_scores,
     "colbert_scores_pairwise": colbert_scores_pairwise,
 }
-
-# the whole-loop adapters (``_layout.LOOPS``) build on the helpers above
-from ._rerank import rerank  # noqa: E402
-
-ADAPTERS["rerank"] = rerank
