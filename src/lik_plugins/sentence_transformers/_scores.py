@@ -125,26 +125,27 @@ def _finish(scores: torch.Tensor, a_mask, b_mask) -> torch.Tensor:
     return scores
 
 
+def _score_chunk(a, b, a_mask, b_mask, pairs: bool):
+    """One of ST's chunk scorers as one fused call, or ST's own where ours does not serve."""
+    entry, original = (("sentence_transformers.maxsim_pairwise", "_maxsim_score_pairs") if pairs
+                       else ("sentence_transformers.maxsim", "_maxsim_score_documents"))
+    if not (_serving() and _servable_chunk(a, b, a_mask, b_mask, pairs=pairs)):
+        record(entry, "original")
+        return _originals[original](a, b, a_mask, b_mask)
+    ops = _ops()
+    record(entry, ops.served_by(a))
+    op = ops.maxsim_pairs if pairs else ops.maxsim
+    return _finish(op(a, b, a_mask, b_mask, mask_mode="exclude").float(), a_mask, b_mask)
+
+
 def score_documents(a, b, a_mask, b_mask):
     """``_maxsim_score_documents`` as one fused call: ``(Na, Lq, H)`` x ``(Nb, Ld, H)`` -> ``(Na, Nb)``."""
-    if not (_serving() and _servable_chunk(a, b, a_mask, b_mask, pairs=False)):
-        record("sentence_transformers.maxsim", "original")
-        return _originals["_maxsim_score_documents"](a, b, a_mask, b_mask)
-    ops = _ops()
-    record("sentence_transformers.maxsim", ops.served_by(a))
-    scores = ops.maxsim(a, b, a_mask, b_mask, mask_mode="exclude").float()
-    return _finish(scores, a_mask, b_mask)
+    return _score_chunk(a, b, a_mask, b_mask, pairs=False)
 
 
 def score_pairs(a, b, a_mask, b_mask):
     """``_maxsim_score_pairs`` as one fused call: ``(B, Lq, H)`` x ``(B, Ld, H)`` -> ``(B,)``."""
-    if not (_serving() and _servable_chunk(a, b, a_mask, b_mask, pairs=True)):
-        record("sentence_transformers.maxsim_pairwise", "original")
-        return _originals["_maxsim_score_pairs"](a, b, a_mask, b_mask)
-    ops = _ops()
-    record("sentence_transformers.maxsim_pairwise", ops.served_by(a))
-    scores = ops.maxsim_pairs(a, b, a_mask, b_mask, mask_mode="exclude").float()
-    return _finish(scores, a_mask, b_mask)
+    return _score_chunk(a, b, a_mask, b_mask, pairs=True)
 
 
 # ------------------------------------------------------------------------ the chunk loops
