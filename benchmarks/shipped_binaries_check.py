@@ -3,7 +3,7 @@
     python benchmarks/shipped_binaries_check.py OUT_DIR [--repeat 2000]
 
 Three kinds of fresh process run the same host calls (the cases of
-``tests/gpu/test_gpu_shipped_binaries.py``: PyLate in-batch and KD, sentence-transformers,
+the CUDA cases of ``tests/kernels/test_shipped_binaries.py``: PyLate in-batch and KD, sentence-transformers,
 the plain op, colpali in-batch / hard negatives / smooth max; bf16 and fp32; forward and
 backward):
 

@@ -1,6 +1,6 @@
 """Plans of the direct launcher: what they are keyed on, and that the interpreter (CI)
 never replays a compiled launcher (it has none).  The replay itself is checked on a GPU
-against the JIT path, bit for bit (tests/gpu)."""
+against the JIT path, bit for bit (the gpu-marked cases of tests/kernels/test_dense.py)."""
 from __future__ import annotations
 
 import pytest

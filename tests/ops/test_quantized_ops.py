@@ -57,7 +57,7 @@ def test_quantize_is_bitwise_the_specification(gen, monkeypatch, backend, dtype)
 def test_non_finite_query_poisons_its_scores(gen, monkeypatch, backend):
     # queries quantised on the fly are not checked (no host sync); NaN must still show
     if backend == "triton":
-        pytest.skip("Triton's interpreter decodes the e4m3 NaN byte as 480; tests/gpu checks this on hardware")
+        pytest.skip("Triton's interpreter decodes the e4m3 NaN byte as 480; tests/kernels/test_quantized.py checks this on a GPU")
     monkeypatch.setenv("LIK_BACKEND", backend)
     Q = torch.randn(3, 8, 16, generator=gen)
     Q[1, 2, 3] = float("nan")
