@@ -38,8 +38,8 @@ MODES = ("shipped", "jit-cold", "jit-warm")
 
 def _cases():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-    import test_gpu_shipped_binaries as cases
+    sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+    import test_shipped_binaries as cases
 
     return cases
 
