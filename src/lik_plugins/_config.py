@@ -41,19 +41,73 @@ between two calls in the same process.
 from __future__ import annotations
 
 import os
+import sys
 
 _TRUE = {"1", "true", "yes", "on"}
 BACKENDS = ("auto", "triton", "torch-chunked", "reference")
 
 
 def _getenv(name: str, default: str) -> str:
-    # The public mapping, read at every call (about a microsecond): a user may flip a
-    # variable between two calls, and tests do.
-    return os.environ.get(name, default)
+    # Read at every call: a user may flip a variable between two calls, and tests do.
+    if compiling():
+        return os.environ.get(name, default)
+    raw = _raw(name)
+    return default if raw is None else os.environ.decodevalue(raw)
+
+
+# ``os.environ.get`` encodes the key, decodes the value and, for an unset variable, raises and
+# catches a KeyError inside: several times a dict lookup, on every op call (the dispatcher reads
+# LIK_DISABLE and LIK_BACKEND per call).  ``os.environ`` keeps its encoded contents in ``_data``
+# (CPython's ``os._Environ``: every assignment through the mapping, monkeypatch.setenv
+# included, updates it), so a variable is read there by its key encoded once, and a parsed
+# value is remembered per raw value: the same answer as ``os.environ.get`` at every call.
+_ENCODED_KEYS: dict[str, object] = {}
+_PARSED: dict[tuple, object] = {}
+_MAX_PARSED = 256          # raw values seen: a bound, not a cache that grows with each new value
+
+
+def _raw(name: str):
+    """The variable's raw (encoded) value in ``os.environ``, None when unset.  Never called
+    while torch.compile traces: the caches above would be guarded on, and every new entry
+    would recompile the graph."""
+    key = _ENCODED_KEYS.get(name)
+    if key is None:                     # the first read of ``name``
+        key = _ENCODED_KEYS[name] = os.environ.encodekey(name)
+    return os.environ._data.get(key)
+
+
+def _parsed(name: str, default: str, parse):
+    """``parse(value or default)``, computed once per raw value of the variable; a value that
+    ``parse`` rejects raises on every read."""
+    if compiling():
+        return parse(os.environ.get(name, default))
+    key = (name, _raw(name), parse)
+    try:
+        return _PARSED[key]
+    except KeyError:
+        pass
+    value = parse(default if key[1] is None else os.environ.decodevalue(key[1]))
+    if len(_PARSED) >= _MAX_PARSED:
+        _PARSED.clear()
+    _PARSED[key] = value
+    return value
+
+
+def compiling() -> bool:
+    """``torch.compiler.is_compiling()``: whether torch.compile is tracing the caller."""
+    # torch is looked up, not imported: the start-up hook imports lik_plugins in every
+    # interpreter and must stay cheap, and where torch is not imported nothing compiles.
+    # No state of ours is set here: torch.compile would guard on it and recompile.
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
+def _is_true(value: str) -> bool:
+    return value.strip().lower() in _TRUE
 
 
 def _flag(name: str) -> bool:
-    return _getenv(name, "").strip().lower() in _TRUE
+    return _parsed(name, "", _is_true)
 
 
 def disabled() -> bool:
@@ -66,8 +120,12 @@ def metal_enabled() -> bool:
     return _flag("LIK_METAL")
 
 
+def _is_not_false(value: str) -> bool:
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
 def direct_launch_enabled() -> bool:
-    return _getenv("LIK_DIRECT_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _parsed("LIK_DIRECT_LAUNCH", "1", _is_not_false)
 
 
 def shipped_binaries_enabled() -> bool:
@@ -75,15 +133,19 @@ def shipped_binaries_enabled() -> bool:
     return _flag("LIK_SHIPPED_BINARIES")
 
 
-def forced_backend() -> str:
-    value = _getenv("LIK_BACKEND", "auto").strip().lower() or "auto"
+def _backend(raw: str) -> str:
+    value = raw.strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"LIK_BACKEND={value!r} is not one of {', '.join(BACKENDS)}")
     return value
 
 
-def autotune_mode() -> str:
-    value = _getenv("LIK_AUTOTUNE", "auto").strip().lower() or "auto"
+def forced_backend() -> str:
+    return _parsed("LIK_BACKEND", "auto", _backend)
+
+
+def _autotune(raw: str) -> str:
+    value = raw.strip().lower() or "auto"
     if value in _TRUE:
         return "always"
     if value in ("0", "false", "no", "off"):
@@ -91,6 +153,10 @@ def autotune_mode() -> str:
     if value != "auto":
         raise ValueError(f"LIK_AUTOTUNE={value!r} is not one of auto, 1, 0")
     return "auto"
+
+
+def autotune_mode() -> str:
+    return _parsed("LIK_AUTOTUNE", "auto", _autotune)
 
 
 def triton_interpret() -> bool:

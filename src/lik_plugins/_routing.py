@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+from ._config import compiling
+
 PATHS = ("triton", "metal", "torch-chunked", "reference", "original")
 
 _lock = threading.Lock()
@@ -21,25 +23,13 @@ def record(entry: str, path: str) -> None:
     count their calls when they run (``lik_plugins.autograd``), so a compiled function's
     op entries (``maxsim``, ``maxsim_pairs``, ...) are counted on every call, and the host
     adapters' entries only in eager code."""
-    if _compiling():
+    if compiling():
         return
     if path not in PATHS:
         raise ValueError(f"unknown routing path {path!r}; expected one of {PATHS}")
     with _lock:
         _counts[entry][path] += 1
 
-
-_IS_COMPILING: list = []
-
-
-def _compiling() -> bool:
-    # torch is imported on first use, not with the package: the start-up hook imports
-    # lik_plugins in every interpreter and must stay cheap
-    if not _IS_COMPILING:
-        import torch
-
-        _IS_COMPILING.append(torch.compiler.is_compiling)
-    return _IS_COMPILING[0]()
 
 
 def routing_counts() -> dict[str, dict[str, int]]:

@@ -55,6 +55,8 @@ _NO_METAL_OPS = ("varlen", "fp8", "int8", "residual", "approx", "hidden")
 # int8, residual and hidden documents: the kernel holds a whole token in one K tile
 _BUILT_OPS = ("int8", "residual", "hidden")
 BUILT_OPERAND_MAX_DIM = 256
+# ops whose embedding width can send a call to the chunked path (:func:`_width_refuses`)
+_WIDTH_LIMITED_OPS = _BUILT_OPS + ("smooth",)
 
 
 # ----------------------------------------------------------------------------- the backends
@@ -145,14 +147,19 @@ def served_by(t: torch.Tensor, op: str = "maxsim") -> str:
     forced = forced_backend()
     if forced in ("reference", CHUNKED):
         return forced
-    if forced == "triton":
-        why = _triton_refuses(t, op, True)
-        if why:
-            raise RuntimeError(f"LIK_BACKEND=triton, but {why}")
-        return CHUNKED if _width_refuses(t, op, True) else "triton"
-    if t.device.type == "mps":
-        return "metal" if not _metal_refuses(t, op) else CHUNKED
-    return "triton" if not (_triton_refuses(t, op, False) or _width_refuses(t, op, False)) else CHUNKED
+    asked = forced == "triton"
+    # ``t.is_cuda`` before ``t.device``, which builds a torch.device on every read
+    if not (asked or t.is_cuda):
+        if t.device.type == "mps":
+            return "metal" if not _metal_refuses(t, op) else CHUNKED
+        if op != "fp8":     # _triton_refuses' answer off CUDA unless asked, without building its reason
+            return CHUNKED
+    why = _triton_refuses(t, op, asked)
+    if why and asked:
+        raise RuntimeError(f"LIK_BACKEND=triton, but {why}")
+    if why or (op in _WIDTH_LIMITED_OPS and _width_refuses(t, op, asked)):
+        return CHUNKED
+    return "triton"
 
 
 # ----------------------------------------------------------------------------- the launchers
