@@ -18,7 +18,7 @@ instead of made (``kernels/triton/direct.recording``).  Each distinct launch (ke
 constexprs and compile options, argument dtypes, 16-divisibility of the specialised integers)
 is then compiled through the JIT's own ``warmup``, so its cache key is the one the runtime
 call computes.  With no GPU of the target architecture at hand (``--arch``), Triton's active
-driver is swapped for one that only names the target (``_OfflineDriver``): Triton lowers to
+driver is swapped for one that only names the target (``kernels/triton/offline.py``): Triton lowers to
 PTX and runs ``ptxas`` without a device.  On a GPU of the target architecture each binary
 is also loaded once, so a Triton that compiles a C launcher per argument signature at the
 first launch (3.6) builds it into the cache here, not in the job's first step.
@@ -42,6 +42,8 @@ import tempfile
 import time
 
 import torch
+
+from .kernels.triton.offline import compiling_for, device_arch
 
 HOSTS = ("pylate", "colpali", "sentence_transformers", "ops")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -128,17 +130,13 @@ WORKLOADS = {"pylate": _pylate, "colpali": _colpali, "sentence_transformers": _s
 
 
 # ----------------------------------------------------------------------------- the target
-def _device_arch() -> str | None:
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}"
+
 
 
 def _facts(arch: str) -> tuple[int, int]:
     """(SMs, shared memory per block) the launchers plan with for ``arch``: the device's own
     where it is that architecture, else the table's."""
-    if _device_arch() == arch:
+    if device_arch() == arch:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return props.multi_processor_count, props.shared_memory_per_block_optin
     if arch not in TARGETS:
@@ -201,43 +199,6 @@ def describe(kernel, args, meta) -> str:
     return f"{direct._kernel_name(kernel)} [{','.join(dtypes)}] {settings}"
 
 
-class _OfflineDriver:
-    """Triton's active driver for compiling without a device: it names the target and a
-    device and stream that nothing is launched on.  ``warmup`` compiles and returns."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def _compiling_for(arch: str):
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-
-    if _device_arch() == arch:
-        yield
-        return
-    driver.set_active(_OfflineDriver(GPUTarget("cuda", int(arch[3:]), 32)))
-    try:
-        yield
-    finally:
-        # back to the default, built on its next use (``reset_active`` would build it now,
-        # and fails where no GPU driver is installed)
-        driver.set_active(None)
-
-
 def _require_jit(todo: list[tuple]) -> None:
     import triton
 
@@ -249,8 +210,8 @@ def _require_jit(todo: list[tuple]) -> None:
 
 def compile_all(todo: list[tuple], arch: str) -> None:
     _require_jit(todo)
-    on_device = _device_arch() == arch
-    with _compiling_for(arch):
+    on_device = device_arch() == arch
+    with compiling_for(arch):
         for kernel, args, meta in todo:
             compiled = kernel.warmup(*args, grid=(1,), **meta)
             if on_device:
@@ -303,7 +264,7 @@ def main(argv=None) -> int:
     p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     p.add_argument("--part-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    arch = args.arch or _device_arch()
+    arch = args.arch or device_arch()
     if arch is None:
         p.error("no CUDA device here: name the target with --arch (e.g. sm_90)")
     todo = variants(args.hosts, [DTYPES[d] for d in args.dtypes], args.dims, arch)

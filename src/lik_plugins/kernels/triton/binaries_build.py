@@ -21,6 +21,7 @@ from pathlib import Path
 
 from . import binaries_cuda as cuda
 from .binaries_loader import FORMAT, source_hash, variant_key
+from .offline import compiling_for
 
 _PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr)?(?:\s+\.global)?(?:\s+\.align\s+\d+)?\s+(\w+)")
 _PTX_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
@@ -64,12 +65,11 @@ def entry_for(kernel, args: tuple, meta: dict, compiled) -> dict:
 def compile_part(todo: list[tuple], arch: str, out_dir: Path) -> dict:
     """Compile ``todo`` (``(kernel, args, meta)`` launches) for ``arch``, write their
     cubins into ``out_dir`` and return ``{key: entry}``."""
-    from ... import precompile
     from . import direct
 
     out_dir.mkdir(parents=True, exist_ok=True)
     entries = {}
-    with precompile._compiling_for(arch):
+    with compiling_for(arch):
         for kernel, args, meta in todo:
             compiled = kernel.warmup(*args, grid=(1,), **meta)
             entry = entry_for(kernel, args, meta, compiled)
