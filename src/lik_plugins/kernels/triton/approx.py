@@ -28,6 +28,34 @@ BLOCK_T = 32
 NUM_WARPS = 1
 
 
+@triton.jit
+def centroid_rows_max(S, CODES, code_stride, n, lq, n_centroids, BLOCK_T: tl.constexpr, LQ_PAD: tl.constexpr,
+                      CLAMP: tl.constexpr, KEEP_NAN: tl.constexpr, WIDE: tl.constexpr):
+    """The running max over one document's ``n`` codes (``CODES``, ``code_stride`` apart) of
+    their rows of the centroid scores ``S`` (``lq`` per row): a ``[BLOCK_T, LQ_PAD]`` fp32
+    tile, reduced over tokens by the caller, and the query-token mask.  The tile stays 2-D so
+    the update is one elementwise max instead of a cross-lane reduction per tile; ``KEEP_NAN``:
+    the max that keeps NaN; ``CLAMP``: codes clamped into ``[0, n_centroids)``; ``WIDE``:
+    64-bit row offsets."""
+    o_q = tl.arange(0, LQ_PAD)
+    m_q = o_q < lq
+    acc = tl.full([BLOCK_T, LQ_PAD], float("-inf"), tl.float32)
+    for t0 in range(0, n, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        valid = o_t < n
+        code = tl.load(CODES + o_t * code_stride, mask=valid, other=0)
+        code = code.to(tl.int64) if WIDE else code.to(tl.int32)
+        if CLAMP:
+            code = tl.minimum(tl.maximum(code, 0), n_centroids - 1)
+        sim = tl.load(S + (code * lq)[:, None] + o_q[None, :], mask=valid[:, None] & m_q[None, :],
+                      other=float("-inf")).to(tl.float32)                                 # [BT, LQ]
+        if KEEP_NAN:
+            acc = tl.maximum(acc, sim, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            acc = tl.maximum(acc, sim)
+    return acc, m_q
+
+
 # ``lq`` is specialised: it is the row stride of the centroid scores, and only a known
 # multiple of 16 lets each gathered row load as vectors (4 floats a load, not 1).  Query
 # lengths fall in 3 classes (1, a multiple of 16, other): at most 3 binaries.
@@ -36,22 +64,10 @@ def plaid_approx_kernel(S, CODES, LENS, OUT, ld, lq, n_centroids, s_cb, s_ct,
                         BLOCK_T: tl.constexpr, LQ_PAD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(LENS + b).to(tl.int32), ld)
-    o_q = tl.arange(0, LQ_PAD)
-    m_q = o_q < lq
-    # the running max stays a [tokens, query tokens] tile, reduced over tokens once at the end:
-    # an elementwise max that keeps NaN (one instruction) instead of a cross-lane reduction and
-    # a NaN test per tile
-    acc = tl.full([BLOCK_T, LQ_PAD], float("-inf"), tl.float32)
-    for t0 in range(0, n, BLOCK_T):
-        o_t = t0 + tl.arange(0, BLOCK_T)
-        valid = o_t < n
-        code = tl.load(CODES + b * s_cb + o_t * s_ct, mask=valid, other=0).to(tl.int32)
-        # an out-of-range code is clamped like the residual kernel's (the reference indexes it)
-        code = tl.minimum(tl.maximum(code, 0), n_centroids - 1)
-        # 32-bit offsets: the host checks C * Lq < 2**31
-        sim = tl.load(S + (code * lq)[:, None] + o_q[None, :], mask=valid[:, None] & m_q[None, :],
-                      other=float("-inf"))                                             # [BT, LQ]
-        acc = tl.maximum(acc, sim, propagate_nan=tl.PropagateNan.ALL)
+    # an out-of-range code is clamped like the residual kernel's (the reference indexes it);
+    # 32-bit offsets: the host checks C * Lq < 2**31
+    acc, m_q = centroid_rows_max(S, CODES + b * s_cb, s_ct, n, lq, n_centroids, BLOCK_T, LQ_PAD,
+                                 CLAMP=True, KEEP_NAN=True, WIDE=False)
     best = tl.max(acc, axis=0)           # drops NaN: a NaN score is flagged beside it
     total = tl.sum(tl.where(m_q, best, 0.0), axis=0)
     any_nan = tl.max(tl.max((acc != acc).to(tl.int32), axis=1), axis=0) > 0

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .approx import centroid_rows_max
 from .tuning import next_pow2
 
 # 32 tokens a tile on one warp, as the single-query approximate score (.approx) measured best.
@@ -61,16 +62,8 @@ def plaid_approx_batch_kernel(S, CODES, DOC_OFF, MASK, OUT, n_docs, lq, s_sb,
     if flag != 0:
         start = tl.load(DOC_OFF + j).to(tl.int64)
         n = (tl.load(DOC_OFF + j + 1).to(tl.int64) - start).to(tl.int32)
-        o_q = tl.arange(0, LQ_PAD)
-        m_q = o_q < lq
-        acc = tl.full([BLOCK_T, LQ_PAD], float("-inf"), tl.float32)
-        for t0 in range(0, n, BLOCK_T):
-            o_t = t0 + tl.arange(0, BLOCK_T)
-            valid = o_t < n
-            code = tl.load(CODES + start + o_t, mask=valid, other=0).to(tl.int64)
-            sim = tl.load(S + b * s_sb + (code * lq)[:, None] + o_q[None, :],
-                          mask=valid[:, None] & m_q[None, :], other=float("-inf")).to(tl.float32)  # [BT, LQ]
-            acc = tl.maximum(acc, sim)
+        acc, m_q = centroid_rows_max(S + b * s_sb, CODES + start, 1, n, lq, 0, BLOCK_T, LQ_PAD,
+                                     CLAMP=False, KEEP_NAN=False, WIDE=True)
         best = tl.max(acc, axis=0)                                                             # [LQ]
         score = tl.sum(tl.where(m_q, best, 0.0), axis=0)
         score = tl.where(n > 0, score, 0.0)          # an empty document scores 0
