@@ -53,6 +53,12 @@ class PatchLock:
             finally:
                 self._depth.value = depth
 
+    def patch(self, apply: Callable[[], Any], current: Callable[[], Any]) -> Any:
+        """``apply()`` under the lock, its result returned; a nested call (the host's import
+        re-entering the patcher) returns ``current()``, what the outer call has so far."""
+        with self.hold() as outermost:
+            return apply() if outermost else current()
+
 
 @dataclass
 class _Change:

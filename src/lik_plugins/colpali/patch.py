@@ -221,36 +221,37 @@ def patch_colpali_engine() -> str:
         ImportError: colpali-engine is not installed (the message says how to install it) or
             does not import.
     """
+    return _lock.patch(_patch, lambda: _generation.name if _generation is not None else None)
+
+
+def _patch() -> str:
     global _generation
-    with _lock.hold() as outermost:
-        if not outermost:  # re-entered from colpali-engine's import inside this call (start-up hook)
-            return _generation.name if _generation is not None else None
-        if _ledger.active and _generation is not None:
-            return _generation.name
-        losses, processing = _import_colpali()
-        gen = detect_generation(losses)
-        try:
-            for name, (modern, legacy) in heads.HEADS.items():
-                cls = getattr(losses, name, None)
-                impl = legacy if gen.legacy else modern
-                if cls is None or impl is None or "forward" not in vars(cls):
-                    continue
-                _ledger.set_attr(cls, "forward", _forward_for(cls, impl, gen))
-            if gen.dispatcher:
-                module = losses.ColbertModule
-                _ledger.set_attr(module, "_inbatch_scores", _inbatch_scores_for(vars(module)["_inbatch_scores"]))
-                backend = importlib.import_module(LIK_BACKEND)
-                inbatch_lik, kd_lik = _lik_slots(backend)
-                _ledger.set_attr(backend, "maxsim_inbatch_lik", inbatch_lik)
-                _ledger.set_attr(backend, "maxsim_kd_lik", kd_lik)
-            base = processing.BaseVisualRetrieverProcessor
-            original = vars(base)["score_multi_vector"]
-            original_fn = original.__func__ if isinstance(original, staticmethod) else original
-            _ledger.set_attr(base, "score_multi_vector", staticmethod(_score_multi_vector_for(processing, original_fn)))
-        except BaseException:
-            _ledger.revert()
-            raise
-        _generation = gen
+    if _ledger.active and _generation is not None:
+        return _generation.name
+    losses, processing = _import_colpali()    # may re-enter patch_colpali_engine (start-up hook)
+    gen = detect_generation(losses)
+    try:
+        for name, (modern, legacy) in heads.HEADS.items():
+            cls = getattr(losses, name, None)
+            impl = legacy if gen.legacy else modern
+            if cls is None or impl is None or "forward" not in vars(cls):
+                continue
+            _ledger.set_attr(cls, "forward", _forward_for(cls, impl, gen))
+        if gen.dispatcher:
+            module = losses.ColbertModule
+            _ledger.set_attr(module, "_inbatch_scores", _inbatch_scores_for(vars(module)["_inbatch_scores"]))
+            backend = importlib.import_module(LIK_BACKEND)
+            inbatch_lik, kd_lik = _lik_slots(backend)
+            _ledger.set_attr(backend, "maxsim_inbatch_lik", inbatch_lik)
+            _ledger.set_attr(backend, "maxsim_kd_lik", kd_lik)
+        base = processing.BaseVisualRetrieverProcessor
+        original = vars(base)["score_multi_vector"]
+        original_fn = original.__func__ if isinstance(original, staticmethod) else original
+        _ledger.set_attr(base, "score_multi_vector", staticmethod(_score_multi_vector_for(processing, original_fn)))
+    except BaseException:
+        _ledger.revert()
+        raise
+    _generation = gen
     return gen.name
 
 

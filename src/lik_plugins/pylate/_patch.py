@@ -154,23 +154,24 @@ def patch_pylate() -> layout_mod.PyLateLayout:
         ...  # build the ColBERT model and loss, train as usual
         print(lik_plugins.routing_counts())
     """
+    return _lock.patch(_patch, lambda: _current)
+
+
+def _patch() -> layout_mod.PyLateLayout:
     global _current
-    with _lock.hold() as outermost:
-        if not outermost:  # re-entered from PyLate's import inside this call (start-up hook)
-            return _current
-        layout = _current
-        if layout is None:
-            layout = layout_mod.detect()
-        for name in layout_mod.MODULES:
-            layout_mod.import_optional(name)
-        if _current is None:
-            if layout.colbert_scores_class is not None:
-                originals = dict(layout.originals)
-                originals["ColBERTScores.__call__"] = vars(layout.colbert_scores_class)["__call__"]
-                layout = layout_mod.PyLateLayout(**{**layout.__dict__, "originals": originals})
-        _apply(layout)
-        _current = layout
-        _scores.bind(layout, active=True)
+    layout = _current
+    if layout is None:
+        layout = layout_mod.detect()
+    for name in layout_mod.MODULES:
+        layout_mod.import_optional(name)   # PyLate's imports may re-enter patch_pylate (start-up hook)
+    if _current is None:
+        if layout.colbert_scores_class is not None:
+            originals = dict(layout.originals)
+            originals["ColBERTScores.__call__"] = vars(layout.colbert_scores_class)["__call__"]
+            layout = layout_mod.PyLateLayout(**{**layout.__dict__, "originals": originals})
+    _apply(layout)
+    _current = layout
+    _scores.bind(layout, active=True)
     return layout
 
 

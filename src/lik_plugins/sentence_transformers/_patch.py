@@ -173,18 +173,19 @@ def patch_sentence_transformers() -> STLayout:
         ...  # build the MultiVectorEncoder and its loss, train with MultiVectorEncoderTrainer
         print(lik_plugins.routing_counts())
     """
+    return _lock.patch(_patch, lambda: _current)
+
+
+def _patch() -> STLayout:
     global _current
-    with _lock.hold() as outermost:
-        if not outermost:  # re-entered from sentence-transformers' import inside this call (start-up hook)
-            return _current
-        layout = _current if _current is not None else detect()
-        if not _served:
-            adapters = {**_scores.SIMILARITY_ADAPTERS, **_scores.SCORING_ADAPTERS}
-            for name, original in layout.originals.items():
-                _served[original] = lookalike(adapters[name], original)
-        _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
-        _apply(layout, _served)
-        _current = layout
+    layout = _current if _current is not None else detect()   # ST's import may re-enter (start-up hook)
+    if not _served:
+        adapters = {**_scores.SIMILARITY_ADAPTERS, **_scores.SCORING_ADAPTERS}
+        for name, original in layout.originals.items():
+            _served[original] = lookalike(adapters[name], original)
+    _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
+    _apply(layout, _served)
+    _current = layout
     return layout
 
 

@@ -300,6 +300,10 @@ def test_patch_twice_then_unpatch_restores_everything(monkeypatch):
     unpatch_pylate()
     from pylate import losses, models, scores
 
+    from lik_plugins.pylate import _layout
+
+    for name in _layout.MODULES:      # the modules the patch imports, so both snapshots see them
+        _layout.import_optional(name)
     before = _snapshot()
     distillation_default = losses.Distillation.__init__.__defaults__[0]
     patch_pylate()
