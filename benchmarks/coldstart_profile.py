@@ -80,13 +80,15 @@ class Phases:
         target[label] = target.get(label, 0.0) + seconds
 
     def wrap_launch(self, direct) -> None:
+        from lik_plugins.kernels.triton import variants
+
         original = direct.launch
         seen: set = set()
         phases = self
 
         def launch(kernel, grid, args, meta, *rest, **kwargs):
-            key = direct.variant(kernel, args, meta)
-            record = {"kernel": direct._kernel_name(kernel), "thread": threading.current_thread().name,
+            key = variants.variant(kernel, args, meta)
+            record = {"kernel": variants.kernel_name(kernel), "thread": threading.current_thread().name,
                       "first_of_variant": key not in seen, "phases": {},
                       "at_s": round(time.perf_counter() - phases.t0, 4)}
             seen.add(key)
@@ -138,7 +140,7 @@ def _instrument(phases: Phases) -> None:
     import pkgutil
 
     import lik_plugins.kernels.triton as package
-    from lik_plugins.kernels.triton import binaries_cuda, binaries_loader, direct
+    from lik_plugins.kernels.triton import binaries_cuda, binaries_loader, direct, variants
 
     for info in pkgutil.iter_modules(package.__path__):     # every launcher holds ``launch`` by name
         importlib.import_module(f"{package.__name__}.{info.name}")

@@ -174,29 +174,29 @@ def _planning_for(arch: str):
 def variants(hosts, dtypes, dims, arch: str) -> list[tuple]:
     """Every distinct launch ``(kernel, args, meta)`` the hosts' calls make on ``arch``, in a
     stable order, the direct launcher's self-check kernel first."""
-    from .kernels.triton import direct
+    from .kernels.triton import variants
 
     found = {}
     torch.manual_seed(0)
     with _planning_for(arch) as launches:
-        launches.append((direct.self_check_kernel, (_tokens(torch.float32, 100, grad=False),
+        launches.append((variants.self_check_kernel, (_tokens(torch.float32, 100, grad=False),
                                                     _tokens(torch.float32, 100, grad=False),
-                                                    *direct._CHECK_CALLS[0]), dict(direct._CHECK_META)))
+                                                    *variants.CHECK_CALLS[0]), dict(variants.CHECK_META)))
         for host in hosts:
             for dtype in dtypes:
                 for dim in dims:
                     WORKLOADS[host](dtype, dim)
     for kernel, args, meta in launches:
-        found.setdefault(direct.variant(kernel, args, meta), (kernel, args, meta))
+        found.setdefault(variants.variant(kernel, args, meta), (kernel, args, meta))
     return [found[k] for k in sorted(found, key=repr)]
 
 
 def describe(kernel, args, meta) -> str:
-    from .kernels.triton import direct
+    from .kernels.triton import variants
 
     dtypes = sorted({str(a.dtype).replace("torch.", "") for a in args if isinstance(a, torch.Tensor)})
     settings = " ".join(f"{k}={v}" for k, v in sorted(meta.items()))
-    return f"{direct._kernel_name(kernel)} [{','.join(dtypes)}] {settings}"
+    return f"{variants.kernel_name(kernel)} [{','.join(dtypes)}] {settings}"
 
 
 def _require_jit(todo: list[tuple]) -> None:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not dispatch.triton_available(), reason="needs t
 
 
 def test_plan_key_separates_what_triton_specialises_on():
-    from lik_plugins.kernels.triton.direct import _feature
+    from lik_plugins.kernels.triton.variants import _feature
 
     # integers: equal to 1, divisible by 16, 32 or 64 bits -- each changes the compiled code
     assert _feature(1) != _feature(3)
@@ -219,7 +219,7 @@ def test_a_shipped_binary_serves_the_plan_without_the_jit(monkeypatch):
     """``LIK_SHIPPED_BINARIES=1``: the plan's first launch asks the loader once, and every
     launch of the plan goes to the shipped binary with its grid, PyTorch's stream and the
     call's arguments; unset, the loader is not asked and the JIT launches."""
-    from lik_plugins.kernels.triton import binaries_loader, direct
+    from lik_plugins.kernels.triton import binaries_loader, direct, variants
 
     kernel = _plain_jit_kernel()
     asked, launched, jit = [], [], []
@@ -237,7 +237,7 @@ def test_a_shipped_binary_serves_the_plan_without_the_jit(monkeypatch):
     x = torch.zeros(64)
     direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16})
     direct.launch(kernel, lambda meta: (meta["BLOCK"] // 8, 2), (x[16:], 9), {"BLOCK": 16})
-    assert len(asked) == 1 and asked[0] == direct.variant(kernel, (x, 5), {"BLOCK": 16})
+    assert len(asked) == 1 and asked[0] == variants.variant(kernel, (x, 5), {"BLOCK": 16})
     assert [(grid, stream) for grid, stream, _ in launched] == [((3,), 77), ((2, 2), 77)]
     assert launched[1][2][0].data_ptr() == x[16:].data_ptr() and launched[1][2][1] == 9
     assert jit == []

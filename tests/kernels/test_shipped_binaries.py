@@ -19,7 +19,7 @@ import torch
 
 import lik_plugins as lik
 from lik_plugins.kernels import dispatch, reference
-from lik_plugins.kernels.triton import binaries_loader, direct
+from lik_plugins.kernels.triton import binaries_loader, direct, variants
 
 pytestmark = pytest.mark.skipif(not dispatch.triton_available(), reason="needs triton")
 
@@ -146,12 +146,12 @@ def test_manifest_round_trip(built):
     manifest = loader.read_manifest("sm_90", built)
     assert manifest["arch"] == "sm_90" and manifest["cuda_driver"] >= 12000
     # the kernels' source digests are the ones this process computes (interpreted or not)
-    assert manifest["kernels"]["self_check_kernel"] == loader.source_hash(direct.self_check_kernel)
+    assert manifest["kernels"]["self_check_kernel"] == loader.source_hash(variants.self_check_kernel)
     assert manifest["kernels"]["maxsim_fwd_kernel"] == loader.source_hash(forward.maxsim_fwd_kernel)
     assert len(manifest["variants"]) == len(listed)           # every variant --list names
     assert sorted(e["kernel"] for e in manifest["variants"].values()) == sorted(line.split()[0] for line in listed)
     x = torch.zeros(100)
-    key = loader.variant_key(direct.variant(direct.self_check_kernel, (x, x, 91, 3.0), direct._CHECK_META))
+    key = loader.variant_key(variants.variant(variants.self_check_kernel, (x, x, 91, 3.0), variants.CHECK_META))
     entry = manifest["variants"][key]
     # X, OUT pointers, n (not specialised: int32), scale (fp32); BLOCK is a constexpr after them
     assert entry["params"] == "PPif" and entry["function"] == "self_check_kernel"
@@ -199,8 +199,8 @@ def test_no_driver_library_is_a_reason_not_an_error(fresh_loader, monkeypatch):
 
     monkeypatch.setattr(cuda.Driver, "open", classmethod(no_library))
     x = torch.zeros(100)
-    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
-    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    needed = variants.variant(variants.self_check_kernel, (x, x, 37, 2.0), variants.CHECK_META)
+    assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     reason = fresh_loader.diagnostics()["devices"][0]
     assert "no usable CUDA driver library" in reason and "libcuda.so.1" in reason
 
@@ -220,8 +220,8 @@ def test_a_gpu_without_shipped_binaries_falls_back_with_its_arch(fresh_loader, s
     _with_stub(fresh_loader, stub, monkeypatch, 8, 6)
     monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built[0])
     x = torch.zeros(100)
-    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
-    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    needed = variants.variant(variants.self_check_kernel, (x, x, 37, 2.0), variants.CHECK_META)
+    assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert fresh_loader.diagnostics()["devices"][0] == "no shipped binaries for sm_86"
 
 
@@ -231,16 +231,16 @@ def test_an_old_driver_and_a_failed_self_check_fall_back(fresh_loader, stub, mon
     _with_stub(fresh_loader, stub, monkeypatch, 9, 0)
     monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built[0])
     x = torch.zeros(100)
-    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
+    needed = variants.variant(variants.self_check_kernel, (x, x, 37, 2.0), variants.CHECK_META)
     _set(stub, "driver_version", 11080)
     try:
-        assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+        assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
         assert "older than the binaries need" in fresh_loader.diagnostics()["devices"][0]
     finally:
         _set(stub, "driver_version", 12080)
     fresh_loader.reset()
     monkeypatch.setattr(fresh_loader, "_self_check", lambda device: False)
-    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert "self-check kernel wrote other values" in fresh_loader.diagnostics()["devices"][0]
 
 
@@ -252,29 +252,29 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built[0])
     monkeypatch.setattr(fresh_loader, "_self_check", lambda device: True)
     x = torch.zeros(100)
-    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
+    needed = variants.variant(variants.self_check_kernel, (x, x, 37, 2.0), variants.CHECK_META)
     _set(stub, "n_declared", 6)                      # 2 pointers, n, scale, 2 scratch pointers
     for i, size in enumerate((8, 8, 4, 4, 8, 8)):
         (ctypes.c_size_t * 64).in_dll(stub, "declared_sizes")[i] = size
-    shipped = fresh_loader.find(direct.self_check_kernel, needed, 0)
+    shipped = fresh_loader.find(variants.self_check_kernel, needed, 0)
     assert isinstance(shipped, cuda.ShippedKernel) and shipped.layout.codes == "PPif"
-    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is shipped
+    assert fresh_loader.find(variants.self_check_kernel, needed, 0) is shipped
     assert fresh_loader.diagnostics()["devices"][0] == {"arch": "sm_90", "shipped": len(built[1]), "loaded": 1}
     # a variant the build did not reach: the JIT, counted
-    other = direct.variant(direct.self_check_kernel, (x, x[1:], 37, 2.0), direct._CHECK_META)
-    assert fresh_loader.find(direct.self_check_kernel, other, 0) is None
+    other = variants.variant(variants.self_check_kernel, (x, x[1:], 37, 2.0), variants.CHECK_META)
+    assert fresh_loader.find(variants.self_check_kernel, other, 0) is None
     assert fresh_loader.diagnostics()["missing"] == {"self_check_kernel": 1}
     # a kernel whose source is not the one the binaries were built from
-    fresh_loader._hashes[id(direct.self_check_kernel)] = "edited"
+    fresh_loader._hashes[id(variants.self_check_kernel)] = "edited"
     fresh_loader._devices[0].loaded.clear()
-    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert "source differs" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
     # or whose source cannot be read: no check, no binary
     fresh_loader._stale.clear()
     fresh_loader._hashes.clear()
     monkeypatch.setattr(fresh_loader.linecache, "getlines", lambda filename: [])
     fresh_loader._trees.clear()
-    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert "cannot be read" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
 
 
@@ -288,8 +288,8 @@ def test_a_binary_declaring_other_parameters_is_not_launched(fresh_loader, stub,
     for i, size in enumerate((8, 8, 4, 4, 8)):
         (ctypes.c_size_t * 64).in_dll(stub, "declared_sizes")[i] = size
     x = torch.zeros(100)
-    needed = direct.variant(direct.self_check_kernel, (x, x, 37, 2.0), direct._CHECK_META)
-    assert fresh_loader.find(direct.self_check_kernel, needed, 0) is None
+    needed = variants.variant(variants.self_check_kernel, (x, x, 37, 2.0), variants.CHECK_META)
+    assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert "the binary takes parameters of" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
 
 
@@ -337,9 +337,9 @@ def test_shipped_manifests_hold_the_variants_the_launchers_reach_now():
         manifest = json.loads(path.read_text())
         work = manifest["workload"]
         code = ("import json, torch; from lik_plugins import precompile as p; "
-                "from lik_plugins.kernels.triton import binaries_loader as b, direct; "
+                "from lik_plugins.kernels.triton import binaries_loader as b, variants; "
                 f"todo = p.variants({work['hosts']!r}, [p.DTYPES[d] for d in {work['dtypes']!r}], {work['dims']!r}, "
-                f"{manifest['arch']!r}); print(json.dumps(sorted(b.variant_key(direct.variant(*v)) for v in todo)))")
+                f"{manifest['arch']!r}); print(json.dumps(sorted(b.variant_key(variants.variant(*v)) for v in todo)))")
         done = subprocess.run([sys.executable, "-c", code], env=_compile_env(), capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -22,6 +22,7 @@ from pathlib import Path
 from . import binaries_cuda as cuda
 from .binaries_loader import FORMAT, source_hash, variant_key
 from .offline import compiling_for
+from .variants import kernel_name, variant
 
 _PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr)?(?:\s+\.global)?(?:\s+\.align\s+\d+)?\s+(\w+)")
 _PTX_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
@@ -65,8 +66,6 @@ def entry_for(kernel, args: tuple, meta: dict, compiled) -> dict:
 def compile_part(todo: list[tuple], arch: str, out_dir: Path) -> dict:
     """Compile ``todo`` (``(kernel, args, meta)`` launches) for ``arch``, write their
     cubins into ``out_dir`` and return ``{key: entry}``."""
-    from . import direct
-
     out_dir.mkdir(parents=True, exist_ok=True)
     entries = {}
     with compiling_for(arch):
@@ -76,7 +75,7 @@ def compile_part(todo: list[tuple], arch: str, out_dir: Path) -> dict:
             path = out_dir / entry["file"]
             if not path.exists():
                 path.write_bytes(compiled.asm["cubin"])
-            entries[variant_key(direct.variant(kernel, args, meta))] = entry
+            entries[variant_key(variant(kernel, args, meta))] = entry
     return entries
 
 
@@ -97,11 +96,9 @@ def write_manifest(todo: list[tuple], entries: dict, arch: str, out_dir: Path, w
     import triton
     import torch
 
-    from . import direct
-
     kernels = {}
     for kernel, _, _ in todo:
-        kernels.setdefault(direct._kernel_name(kernel), source_hash(kernel))
+        kernels.setdefault(kernel_name(kernel), source_hash(kernel))
     major, minor = ptxas_release()
     manifest = {
         "format": FORMAT, "arch": arch, "workload": workload or {},

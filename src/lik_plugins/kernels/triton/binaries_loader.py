@@ -1,7 +1,7 @@
 """Kernel binaries shipped with the package, launched without Triton's JIT.
 
 ``binaries/<arch>/manifest.json`` lists, per variant a host's calls reach (the key
-:func:`lik_plugins.kernels.triton.direct.variant` gives a launch: kernel, constexprs and
+:func:`lik_plugins.kernels.triton.variants.variant` gives a launch: kernel, constexprs and
 options, argument features), the cubin file and what launching it takes: the function
 name, warps, shared memory, and one parameter code per positional argument
 (:mod:`binaries_cuda`).  ``python -m lik_plugins.precompile --ship`` writes them
@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from . import binaries_cuda as cuda
+from .variants import CHECK_CALLS, CHECK_META, self_check_kernel, variant
 
 BINARIES_DIR = Path(__file__).with_name("binaries")
 FORMAT = 1
@@ -216,30 +217,28 @@ def _open_device(ordinal: int):
 def _self_check(device: _Device) -> bool:
     """Two launches of the shipped self-check binary with other lengths, scalars and
     outputs; results copied to the host and compared there (no other GPU kernel runs)."""
-    from . import direct
-
     x_host = torch.arange(100, dtype=torch.float32)
     x = x_host.to(f"cuda:{device.ordinal}")
-    outs = [torch.full((100,), -1.0).to(x.device) for _ in direct._CHECK_CALLS]
+    outs = [torch.full((100,), -1.0).to(x.device) for _ in CHECK_CALLS]
     stream = torch._C._cuda_getCurrentRawStream(device.ordinal)
-    for out, (n, scale) in zip(outs, direct._CHECK_CALLS):
+    for out, (n, scale) in zip(outs, CHECK_CALLS):
         args = (x, out, n, scale)
-        shipped = device.kernel(variant_key(direct.variant(direct.self_check_kernel, args, direct._CHECK_META)))
+        shipped = device.kernel(variant_key(variant(self_check_kernel, args, CHECK_META)))
         if shipped is None:
             return False
         shipped((2,), stream, args)
     got = [o.cpu() for o in outs]
-    want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in direct._CHECK_CALLS]
+    want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in CHECK_CALLS]
     return all(torch.equal(o, w) for o, w in zip(got, want))
 
 
 def variant_key(variant: tuple) -> str:
-    """The manifest's key of a :func:`direct.variant` tuple."""
+    """The manifest's key of a :func:`variants.variant` tuple."""
     return repr(variant)
 
 
 def find(kernel, variant: tuple, ordinal: int):
-    """The shipped binary for a launch of ``kernel`` whose :func:`direct.variant` is
+    """The shipped binary for a launch of ``kernel`` whose :func:`variants.variant` is
     ``variant`` on CUDA device ``ordinal``, loaded on first use; ``None`` where there is none
     or it cannot be used here (:func:`diagnostics` says why)."""
     device = _devices.get(ordinal)

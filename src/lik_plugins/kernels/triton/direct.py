@@ -39,10 +39,10 @@ import warnings
 
 import torch
 import triton
-import triton.language as tl
 
 from ..._config import direct_launch_enabled, shipped_binaries_enabled
 from . import binaries_loader
+from .variants import CHECK_CALLS, CHECK_META, self_check_kernel, signature, variant
 
 # Triton releases (major, minor) whose compiled-launcher layout the replay was checked
 # against on a GPU; others launch through the JIT.
@@ -53,52 +53,6 @@ VERIFIED_TRITON = ((3, 6),)
 MAX_PLANS = 4096
 
 _plans: dict = {}
-
-
-def _feature(arg, specialized: bool = True):
-    kind = type(arg)
-    if kind is int:
-        fits = -0x80000000 <= arg <= 0x7FFFFFFF
-        return (arg == 1, arg % 16 == 0, fits) if specialized else fits
-    if kind is bool or arg is None:
-        return (kind, arg)
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    return (kind,)
-
-
-_SPECIALIZED: dict = {}
-
-
-def specialized_args(kernel) -> tuple[bool, ...]:
-    """Per positional parameter of ``kernel`` (a JIT or interpreted function, or an
-    autotuner around one): does Triton specialise on its value?"""
-    key = id(kernel)
-    flags = _SPECIALIZED.get(key)
-    if flags is None:
-        fn = kernel
-        if not (hasattr(fn, "params") or hasattr(fn, "kwargs")):
-            fn = fn.fn                               # an Autotuner wraps the JIT function
-        inner = fn.fn                                # the Python function itself
-        names = list(inspect.signature(inner).parameters)
-        params = getattr(fn, "params", None)
-        if params is not None:
-            skip = {p.name for p in params if p.do_not_specialize}
-        else:                                          # the interpreter keeps the decorator's kwargs
-            skip = set(getattr(fn, "kwargs", {}).get("do_not_specialize", ()) or ())
-        flags = _SPECIALIZED[key] = tuple(name not in skip for name in names)
-    return flags
-
-
-def signature(kernel, args: tuple) -> tuple:
-    """What Triton specialises ``kernel`` on in ``args``."""
-    flags = specialized_args(kernel)
-    return tuple(_feature(a, flags[i] if i < len(flags) else True) for i, a in enumerate(args))
-
-
-def variant(kernel, args: tuple, meta: dict) -> tuple:
-    """The binary a launch needs: kernel name, constexprs and warps, argument features."""
-    return (_kernel_name(kernel), tuple(sorted(meta.items())), signature(kernel, args))
 
 
 # (kernel name, meta, argument signature) of every launch: the binaries the calls needed.
@@ -116,11 +70,6 @@ def variants() -> dict[str, int]:
 
 def reset_variants() -> None:
     _VARIANTS.clear()
-
-
-def _kernel_name(kernel) -> str:
-    fn = getattr(kernel, "fn", kernel)
-    return getattr(getattr(fn, "fn", fn), "__name__", repr(kernel))
 
 
 def _active(hook) -> bool:
@@ -225,17 +174,7 @@ def clear() -> None:
     _plans.clear()
 
 
-@triton.jit(do_not_specialize=["n"])
-def self_check_kernel(X, OUT, n, scale, BLOCK: tl.constexpr):
-    """``OUT[i] = X[i] * scale`` for ``i < n``: the replay's self-check (:func:`replay_ok`)."""
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(OUT + o, tl.load(X + o, mask=o < n) * scale, mask=o < n)
-
-
 _REPLAY_OK: list = []
-# the self-check launch: (n, scale) of its two calls, and its meta
-_CHECK_CALLS = ((37, 2.0), (91, 3.0))
-_CHECK_META = {"BLOCK": 64}
 
 
 def replay_ok() -> bool:
@@ -272,11 +211,11 @@ def _self_check() -> bool:
     x_host = torch.arange(100, dtype=torch.float32)
     x = x_host.to("cuda")
     outs = [torch.full((100,), -1.0).to("cuda") for _ in range(2)]
-    (n_first, k_first), (n_second, k_second) = _CHECK_CALLS
-    compiled = self_check_kernel[(2,)](x, outs[0], n_first, k_first, **_CHECK_META)
-    tail = _tail(self_check_kernel, 4, _CHECK_META)
+    (n_first, k_first), (n_second, k_second) = CHECK_CALLS
+    compiled = self_check_kernel[(2,)](x, outs[0], n_first, k_first, **CHECK_META)
+    tail = _tail(self_check_kernel, 4, CHECK_META)
     compiled.run(2, 1, 1, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), compiled.function,
                  compiled.packed_metadata, None, None, None, x, outs[1], n_second, k_second, *tail)
     got = [o.cpu() for o in outs]       # waits for this stream's work, the check's included
-    want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in _CHECK_CALLS]
+    want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in CHECK_CALLS]
     return all(torch.equal(o, w) for o, w in zip(got, want))
