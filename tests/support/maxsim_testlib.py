@@ -356,3 +356,12 @@ def _clean_lik_env(monkeypatch):
 def gen(request) -> "torch.Generator":
     """Fresh random inputs per test (seeded from the test id, so reproducible)."""
     return generator(seed_of(request.node.nodeid))
+
+
+def unit_token_lists(n, lo, hi, dim, seed, dtype, shift=0.0) -> list:
+    """``n`` candidates of ``lo``..``hi`` unit-norm tokens (each shifted by ``-shift``, so some
+    similarities are negative), in ``dtype``: the ragged lists the hosts' list scorers take."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    unit = torch.nn.functional.normalize
+    return [(unit(torch.randn(n_tokens, dim, generator=g), dim=-1) - shift).to(dtype) for n_tokens in lengths]

@@ -19,13 +19,7 @@ pytest.importorskip("colpali_engine")
 
 import lik_plugins  # noqa: E402
 from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor as Base  # noqa: E402
-
-
-def _ragged(n, lo, hi, dim, seed, dtype, shift=0.0):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    unit = torch.nn.functional.normalize
-    return [(unit(torch.randn(n_tokens, dim, generator=g), dim=-1) - shift).to(dtype) for n_tokens in lengths]
+from support.maxsim_testlib import unit_token_lists  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype, nq, n_p, batch_size, dim", [
@@ -35,9 +29,9 @@ def test_score_multi_vector_lists_equal_colpalis_own(monkeypatch, dtype, nq, n_p
 
     if not triton_interpret():
         pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
-    qs = _ragged(nq, 5, 30 if nq < 16 else 12, dim, nq, dtype)
+    qs = unit_token_lists(nq, 5, 30 if nq < 16 else 12, dim, nq, dtype)
     # shifted passages: rows whose similarities are all negative, won by colpali's chunk padding
-    ps = _ragged(n_p, 1, 40 if n_p < 128 else 20, dim, n_p, dtype, shift=0.1)
+    ps = unit_token_lists(n_p, 1, 40 if n_p < 128 else 20, dim, n_p, dtype, shift=0.1)
     for j in range(7, n_p, 11):         # exact copies: tied scores
         ps[j] = ps[2].clone()
     monkeypatch.setenv("COLPALI_SCORES_BACKEND", "torch")

@@ -23,13 +23,7 @@ import torch  # noqa: E402
 
 from lik_plugins import reset_routing_counts, routing_counts  # noqa: E402
 from lik_plugins.sentence_transformers import patch_sentence_transformers, unpatch_sentence_transformers  # noqa: E402
-
-
-def _ragged(n, lo, hi, dim, seed, dtype, shift=0.0):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    unit = torch.nn.functional.normalize
-    return [(unit(torch.randn(n_tokens, dim, generator=g), dim=-1) - shift).to(dtype) for n_tokens in lengths]
+from support.maxsim_testlib import unit_token_lists  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype, nq, nd, dim", [
@@ -39,8 +33,8 @@ def test_maxsim_on_lists_equals_sts_own(monkeypatch, dtype, nq, nd, dim):
         pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
     from sentence_transformers import util
 
-    qs = _ragged(nq, 5, 30 if nq < 16 else 12, dim, nq, dtype)
-    ds = _ragged(nd, 1, 40 if nd < 128 else 20, dim, nd, dtype, shift=0.1)
+    qs = unit_token_lists(nq, 5, 30 if nq < 16 else 12, dim, nq, dtype)
+    ds = unit_token_lists(nd, 1, 40 if nd < 128 else 20, dim, nd, dtype, shift=0.1)
     for j in range(7, nd, 11):          # exact copies: tied scores
         ds[j] = ds[2].clone()
     unpatch_sentence_transformers()
