@@ -277,6 +277,20 @@ def child(mode: str, step_kind: str, out: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- the parent
+def run_child(argv: list, env: dict, path: str) -> dict:
+    """One measuring process in a fresh interpreter (``python *argv``): the JSON it wrote at
+    ``path`` with ``process_s`` (its wall time) added, or ``{"error": its stderr, "process_s"}``."""
+    t = time.perf_counter()
+    run = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t
+    if run.returncode != 0 or not os.path.exists(path):
+        return {"error": run.stderr[-3000:], "process_s": wall}
+    with open(path) as f:
+        row = json.load(f)
+    row["process_s"] = wall
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -310,19 +324,13 @@ def main() -> int:
         child_env = dict(env, TRITON_CACHE_DIR=cache)
         if mode == "shipped":
             child_env["LIK_SHIPPED_BINARIES"] = "1"
-        t = time.perf_counter()
-        run = subprocess.run([sys.executable, os.path.abspath(__file__), args.out, "--step", args.step, "--child",
-                              mode], env=child_env, capture_output=True, text=True, timeout=900)
-        wall = time.perf_counter() - t
-        path = os.path.join(args.out, f"coldstart_profile_{mode}.json")
-        if run.returncode != 0 or not os.path.exists(path):
-            result["modes"][mode] = {"error": run.stderr[-3000:], "process_s": wall}
-            print(f"{mode}: FAILED\n{run.stderr[-1500:]}")
+        row = result["modes"][mode] = run_child(
+            [os.path.abspath(__file__), args.out, "--step", args.step, "--child", mode], child_env,
+            os.path.join(args.out, f"coldstart_profile_{mode}.json"))
+        if "error" in row:
+            print(f"{mode}: FAILED\n{row['error'][-1500:]}")
             continue
-        with open(path) as f:
-            row = json.load(f)
-        row["process_s"] = wall
-        result["modes"][mode] = row
+        wall = row["process_s"]
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(row["phase_totals_ms"].items())[:4])
         print(f"{mode}: first step {row['first_step_s']:.3f} s, next {row['next_steps_s'][0]:.3f} s; "
               f"first launches {row['first_of_variant_wall_ms']:.0f} ms ({top}); "

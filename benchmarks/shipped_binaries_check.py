@@ -201,6 +201,8 @@ def main() -> int:
     if args.child:
         child(args.child, args.out, args.repeat)
         return 0
+    from coldstart_profile import run_child
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     caches = os.path.join(args.out, "caches")
     shutil.rmtree(caches, ignore_errors=True)
@@ -209,19 +211,13 @@ def main() -> int:
         cache = os.path.join(caches, "shipped" if mode == "shipped" else "jit")
         os.makedirs(cache, exist_ok=True)
         child_env = dict(env, TRITON_CACHE_DIR=cache, LIK_SHIPPED_BINARIES="1" if mode == "shipped" else "0")
-        t = time.perf_counter()
-        run = subprocess.run([sys.executable, os.path.abspath(__file__), args.out, "--repeat", str(args.repeat),
-                              "--child", mode], env=child_env, capture_output=True, text=True, timeout=900)
-        wall = time.perf_counter() - t
-        path = os.path.join(args.out, f"shipped_check_{mode}.json")
-        if run.returncode != 0 or not os.path.exists(path):
-            summary["modes"][mode] = {"error": run.stderr[-3000:]}
-            print(f"{mode}: FAILED\n{run.stderr[-2000:]}")
+        row = summary["modes"][mode] = run_child(
+            [os.path.abspath(__file__), args.out, "--repeat", str(args.repeat), "--child", mode], child_env,
+            os.path.join(args.out, f"shipped_check_{mode}.json"))
+        if "error" in row:
+            print(f"{mode}: FAILED\n{row['error'][-2000:]}")
             continue
-        with open(path) as f:
-            row = json.load(f)
-        row["process_s"] = wall
-        summary["modes"][mode] = row
+        wall = row["process_s"]
         print(f"{mode}: first pass {row['first_pass_s']:.2f} s (first launches {row['first_launch_total_ms']:.0f} ms "
               f"over {len(row['first_launches'])} variants, {row['first_launch_triton_ms']:.0f} ms in Triton, "
               f"{row['jit_launches_first_pass']} through it), second pass {row['second_pass_s']:.3f} s; "
