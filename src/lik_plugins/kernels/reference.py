@@ -65,15 +65,9 @@ def _maybe_normalize(x: torch.Tensor, normalize: bool) -> torch.Tensor:
     return F.normalize(x, p=2, dim=-1, eps=NORM_EPS) if normalize else x
 
 
-def maxsim(
-    Q: torch.Tensor,
-    D: torch.Tensor,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    *,
-    normalize: bool = False,
-    mask_mode: str = "exclude",
-) -> torch.Tensor:
+def maxsim(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
+           d_mask: torch.Tensor | None = None, *, normalize: bool = False, mask_mode: str = "exclude",
+           ) -> torch.Tensor:
     """Reference of :func:`lik_plugins.maxsim`.
 
     ``Q [Nq, Lq, d]`` with ``D [Nd, Ld, d]`` -> ``[Nq, Nd]`` (in-batch cross product), or
@@ -323,17 +317,10 @@ def _packed_pair(q, d, qm, dm, normalize, mask_mode) -> torch.Tensor:
     return maxsim(q.unsqueeze(0), d.unsqueeze(0), qm, dm, normalize=normalize, mask_mode=mask_mode)[0, 0]
 
 
-def maxsim_varlen(
-    Q_packed: torch.Tensor,
-    D_packed: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_d: torch.Tensor,
-    *,
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    normalize: bool = False,
-    mask_mode: str = "exclude",
-) -> torch.Tensor:
+def maxsim_varlen(Q_packed: torch.Tensor, D_packed: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_d: torch.Tensor, *, q_mask: torch.Tensor | None = None,
+                  d_mask: torch.Tensor | None = None, normalize: bool = False, mask_mode: str = "exclude",
+                  ) -> torch.Tensor:
     """Reference of :func:`lik_plugins.maxsim_varlen`: every packed query against every
     packed document, each pair scored on its own unpadded tokens (so a document of no
     tokens scores 0, and padding never exists to take part in a max)."""
