@@ -180,6 +180,76 @@ def test_ptx_parameter_sizes_are_read_from_the_entry():
     assert ptx_param_sizes(ptx, "k") == [8, 4, 4, 1, 8]
 
 
+# ----------------------------------------------------------------------------- lookup
+def test_a_signature_splits_into_what_must_match_and_what_a_binary_may_leave_out():
+    # bf16 tensor aligned, an int equal to 1, an int divisible by 16, an int neither,
+    # a tensor at an odd address, a do-not-specialise int, a float, None, a bool
+    sig = ((torch.bfloat16, True), (True, False, True), (False, True, True), (False, False, False),
+           (torch.float32, False), True, (float,), (type(None), None), (bool, True))
+    shape, hints = variants.split(sig)
+    assert hints == "D1D..----"
+    assert shape == (torch.bfloat16, ("int", True), ("int", True), ("int", False), torch.float32, True, (float,),
+                     (type(None), None), (bool, True))
+    x = torch.zeros(100)
+    launched = variants.variant(variants.self_check_kernel, (x, x[1:], 37, 2.0), variants.CHECK_META)
+    assert variants.group(launched)[1] == "D.--"       # n is not specialised, scale is a float
+
+
+_K, _META = "k", (("BLOCK", 64), ("num_warps", 4))
+# the group every binary below belongs to, written out: a bf16 tensor, two specialised
+# int32 integers, one integer Triton does not specialise (its width only)
+_GROUP = repr((_K, _META, (torch.bfloat16, ("int", True), ("int", True), True)))
+
+
+def _hand_manifest(extra=()) -> dict:
+    """Binaries of one group, by hints: which one a launch gets is the test's expectation."""
+    rows = [("exact", "D1D-", "P-ii"), ("stride-hint", "D.D-", "Piii"), ("unit-stride", ".1.-", "P-ii"),
+            ("generic", "...-", "Piii"), *extra]
+    return {"format": binaries_loader.FORMAT, "arch": "sm_90", "cuda_driver": 12000, "kernels": {_K: "digest"},
+            "variants": {f"key-{name}": {"kernel": _K, "function": _K, "file": f"{name}.cubin", "num_warps": 4,
+                                         "shared": 0, "params": params, "group": _GROUP, "hints": hints}
+                         for name, hints, params in rows}}
+
+
+def _launch(tensor_aligned, first, second, dtype=torch.bfloat16, fits=True):
+    """A launch's variant written out: ``first`` / ``second`` are (is 1, divisible by 16)."""
+    return (_K, _META, ((dtype, tensor_aligned), (*first, fits), (*second, True), True))
+
+
+ONE_, DIV_, PLAIN_ = (True, False), (False, True), (False, False)
+
+
+@pytest.mark.parametrize("launch, served_by", [
+    (_launch(True, ONE_, DIV_), "exact"),                 # its own binary
+    (_launch(True, PLAIN_, DIV_), "stride-hint"),
+    (_launch(True, DIV_, DIV_), "stride-hint"),           # compiled without the %16 hint: valid for 32
+    (_launch(False, ONE_, DIV_), "unit-stride"),          # unaligned: only binaries without the alignment hint
+    (_launch(False, ONE_, PLAIN_), "unit-stride"),
+    (_launch(True, DIV_, ONE_), "generic"),               # 1 where every other binary assumes %16 or 1
+    (_launch(False, PLAIN_, PLAIN_), "generic"),
+    (_launch(True, ONE_, DIV_, dtype=torch.float32), None),   # another dtype: another group
+    (_launch(True, ONE_, DIV_, fits=False), None),            # a 64-bit integer: another group
+])
+def test_a_launch_gets_its_own_binary_else_the_most_specialised_one_valid_for_it(launch, served_by):
+    device = binaries_loader._Device(None, 0, "sm_90", _hand_manifest(), Path("."))
+    want = None if served_by is None else f"key-{served_by}"
+    assert device.key_for(launch) == want
+    assert device.chosen[launch] == want                  # decided once per variant
+    assert device.key_for(launch) == want
+
+
+def test_an_integer_passed_as_1_needs_a_binary_that_takes_it_as_a_parameter():
+    # a hand-made manifest where the generic binary compiled the second integer in (a Triton
+    # that made it a constant for another reason): its param code decides, not its hint
+    rows = (("generic", "...-", "Pi-i"),)
+    manifest = _hand_manifest()
+    manifest["variants"] = {k: v for k, v in manifest["variants"].items() if k != "key-generic"}
+    manifest["variants"].update(_hand_manifest(rows)["variants"])
+    device = binaries_loader._Device(None, 0, "sm_90", manifest, Path("."))
+    assert device.key_for(_launch(True, DIV_, ONE_)) is None
+    assert device.key_for(_launch(True, DIV_, PLAIN_)) == "key-generic"
+
+
 # ----------------------------------------------------------------------------- fallbacks
 @pytest.fixture
 def fresh_loader():

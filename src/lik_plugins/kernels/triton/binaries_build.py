@@ -22,7 +22,7 @@ from pathlib import Path
 from . import binaries_cuda as cuda
 from .binaries_loader import FORMAT, source_hash, variant_key
 from .offline import compiling_for
-from .variants import kernel_name, variant
+from .variants import group, kernel_name, variant
 
 _PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr)?(?:\s+\.global)?(?:\s+\.align\s+\d+)?\s+(\w+)")
 _PTX_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
@@ -75,7 +75,9 @@ def compile_part(todo: list[tuple], arch: str, out_dir: Path) -> dict:
             path = out_dir / entry["file"]
             if not path.exists():
                 path.write_bytes(compiled.asm["cubin"])
-            entries[variant_key(variant(kernel, args, meta))] = entry
+            needed = variant(kernel, args, meta)
+            entry["group"], entry["hints"] = group(needed)
+            entries[variant_key(needed)] = entry
     return entries
 
 

@@ -4,10 +4,15 @@
 :func:`lik_plugins.kernels.triton.variants.variant` gives a launch: kernel, constexprs and
 options, argument features), the cubin file and what launching it takes: the function
 name, warps, shared memory, and one parameter code per positional argument
-(:mod:`binaries_cuda`).  ``python -m lik_plugins.precompile --ship`` writes them
-(:mod:`binaries_build`).  :func:`find` is the direct launcher's first stop for a launch it
-has no plan for; where it answers ``None`` the launch goes through the JIT as before, and
-:func:`diagnostics` says why.
+(:mod:`binaries_cuda`), and the variant's group and hints (:func:`variants.group`).
+``python -m lik_plugins.precompile --ship`` writes them (:mod:`binaries_build`).  :func:`find`
+is the direct launcher's first stop for a launch it has no plan for: the binary of the
+launch's own variant, else the most specialised binary of its group whose hints the launch
+satisfies (:func:`variants.serves`: a binary compiled without the 16-divisibility or
+alignment hint, or with an integer as a parameter, serves launches with other values; the
+build ships a binary with no hints for every group, so a batch size, length or view the
+build did not see is still served).  Where it answers ``None`` the launch goes through the
+JIT as before, and :func:`diagnostics` says why.
 
 Nothing here imports Triton's compiler or driver: the binaries load through the CUDA
 driver API, so the installed Triton's version does not matter, only the kernels' source
@@ -31,10 +36,10 @@ from pathlib import Path
 import torch
 
 from . import binaries_cuda as cuda
-from .variants import CHECK_CALLS, CHECK_META, self_check_kernel, variant
+from .variants import CHECK_CALLS, CHECK_META, group, self_check_kernel, serves, specialisation, variant
 
 BINARIES_DIR = Path(__file__).with_name("binaries")
-FORMAT = 1
+FORMAT = 2
 _PACKAGE = __name__.split(".")[0] + "."
 
 _lock = threading.Lock()
@@ -43,6 +48,7 @@ _devices: dict = {}                # ordinal -> _Device, or the reason it serves
 _stale: dict = {}                  # kernel name -> reason its binaries are not used
 _missing: dict = {}                # kernel name -> launches with no shipped binary
 _hashes: dict = {}                 # id(kernel) -> source_hash(kernel)
+_UNSEEN = object()
 
 
 def source_hash(kernel) -> str:
@@ -156,6 +162,35 @@ class _Device:
         self.entries = manifest["variants"]
         self.kernels = manifest["kernels"]
         self.loaded: dict = {}
+        self.chosen: dict = {}             # a launch's variant -> the key of the binary serving it, or None
+        self.served: dict = {}             # a launch's variant -> its loaded binary (find's first look)
+        self._groups: dict | None = None   # group -> [(hints, params, key)], most specialised first
+
+    def key_for(self, variant: tuple) -> str | None:
+        """The manifest key of the binary that serves a launch of ``variant``: its own, else
+        the most specialised one of its group whose hints the launch satisfies; decided once
+        per variant."""
+        key = self.chosen.get(variant, _UNSEEN)
+        if key is _UNSEEN:
+            key = self.chosen[variant] = self._choose(variant)
+        return key
+
+    def _choose(self, variant: tuple) -> str | None:
+        key = variant_key(variant)
+        if key in self.entries:
+            return key
+        if self._groups is None:
+            groups: dict = {}
+            for other, entry in self.entries.items():
+                groups.setdefault(entry["group"], []).append((entry["hints"], entry["params"], other))
+            for candidates in groups.values():
+                candidates.sort(key=lambda c: (-specialisation(c[0]), c[0]))
+            self._groups = groups
+        name, hints = group(variant)
+        for have, params, other in self._groups.get(name, ()):
+            if serves(have, params, hints):
+                return other
+        return None
 
     def kernel(self, key: str):
         found = self.loaded.get(key)
@@ -251,6 +286,9 @@ def find(kernel, variant: tuple, ordinal: int):
                 device = _devices[ordinal] = _open_device(ordinal)
     if isinstance(device, str):
         return None
+    shipped = device.served.get(variant)
+    if shipped is not None:
+        return shipped
     name = variant[0]
     if name in _stale:
         return None
@@ -264,12 +302,15 @@ def find(kernel, variant: tuple, ordinal: int):
                         if name in device.kernels else f"{name}: not among the shipped kernels")
         return None
     try:
-        shipped = device.kernel(variant_key(variant))
+        key = device.key_for(variant)
+        shipped = None if key is None else device.kernel(key)
     except Exception as exc:
         _stale[name] = f"{name}: a binary failed to load ({type(exc).__name__}: {exc})"
         return None
     if shipped is None:
         _missing[name] = _missing.get(name, 0) + 1
+    else:
+        device.served[variant] = shipped
     return shipped
 
 

@@ -59,6 +59,77 @@ def variant(kernel, args: tuple, meta: dict) -> tuple:
     return (kernel_name(kernel), tuple(sorted(meta.items())), signature(kernel, args))
 
 
+# A signature's hints (:func:`split`), one character per positional argument: what Triton
+# assumed of the value when it compiled a binary, which a binary compiled without it does
+# not need.  Specialised integers: equal to 1 (compiled in as a constant), divisible by 16,
+# or neither; tensors: a 16-byte aligned address or not; anything else carries no hint.
+ONE, DIVISIBLE, PLAIN, NO_HINT = "1", "D", ".", "-"
+
+
+def split(signature: tuple) -> tuple[tuple, str]:
+    """``(shape, hints)`` of a :func:`signature`: the shape holds what every binary serving
+    the launch must match exactly (dtypes, integer widths, bools, ``None``, floats), the
+    hints what a more generic binary may leave out."""
+    shape, hints = [], []
+    for feature in signature:
+        if isinstance(feature, tuple) and len(feature) == 3:               # a specialised integer
+            is_one, divisible, fits = feature
+            shape.append(("int", fits))
+            hints.append(ONE if is_one else DIVISIBLE if divisible else PLAIN)
+        elif isinstance(feature, tuple) and len(feature) == 2 and isinstance(feature[0], torch.dtype):
+            shape.append(feature[0])                                         # a tensor
+            hints.append(DIVISIBLE if feature[1] else PLAIN)
+        else:
+            shape.append(feature)
+            hints.append(NO_HINT)
+    return tuple(shape), "".join(hints)
+
+
+def group(variant: tuple) -> tuple[str, str]:
+    """``(group key, hints)`` of a :func:`variant`: binaries of one group differ only in their
+    hints, so any of them whose hints the launch satisfies computes the launch."""
+    name, meta, sig = variant
+    shape, hints = split(sig)
+    return repr((name, meta, shape)), hints
+
+
+def serves(binary_hints: str, binary_params: str, launch_hints: str) -> bool:
+    """Whether a binary compiled with ``binary_hints`` (its launch parameter codes
+    ``binary_params``, ``-`` where Triton compiled the argument in) is valid for a launch with
+    ``launch_hints`` of the same group: each hint of the binary holds for the launch, and an
+    argument the launch passes as 1 is one the binary takes as a parameter (a binary
+    compiled for other values keeps it: Triton makes only a value of 1 a constant)."""
+    for have, need, param in zip(binary_hints, launch_hints, binary_params):
+        if have == need or have == NO_HINT:
+            continue
+        if have != PLAIN:
+            return False                       # the binary assumes 1 or a multiple of 16
+        if need == ONE and param == "-":
+            return False                       # never the case for Triton 3.6/3.7; the manifest decides
+    return True
+
+
+def specialisation(hints: str) -> int:
+    """How many hints a binary assumes: of the binaries serving a launch, the most
+    specialised is preferred (unit strides as constants, aligned vector loads)."""
+    return sum(h in (ONE, DIVISIBLE) for h in hints)
+
+
+def generic_args(kernel, args: tuple) -> tuple:
+    """``args`` with every hint taken away (``meta`` tensors: a view at an odd address;
+    specialised integers: a value that is neither 1 nor a multiple of 16, of the same
+    width): the launch whose binary serves every launch of its group."""
+    flags = specialized_args(kernel)
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            a = torch.empty(2, dtype=a.dtype, device="meta")[1:]
+        elif type(a) is int and (flags[i] if i < len(flags) else True):
+            a = 3 if -0x80000000 <= a <= 0x7FFFFFFF else 2**40 + 3
+        out.append(a)
+    return tuple(out)
+
+
 def kernel_name(kernel) -> str:
     fn = getattr(kernel, "fn", kernel)
     return getattr(getattr(fn, "fn", fn), "__name__", repr(kernel))
