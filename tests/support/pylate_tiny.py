@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import string
+from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -21,15 +22,24 @@ WORDS = (
     "slow red blue green small large water fire light dark sun moon"
 ).split()
 
+
+class Triple(NamedTuple):
+    """A query, a document that answers it and one that does not."""
+
+    query: str
+    positive: str
+    negative: str
+
+
 TRIPLES = [
-    ("what does the cat eat", "the cat eats fish, and the dog eats too.", "the river runs to the city."),
-    ("where is the river", "the river is in the mountain; it runs to the city.", "a song was on the paper."),
-    ("what is a kernel", "a kernel is fast: it computes a score.", "the bird sat on a tree."),
-    ("which light is dark", "the moon light is dark at the river.", "the fish was red and blue."),
-    ("what does the model train", "the model trains a loss with a query and a document.", "the sun is large."),
-    ("what is green", "the tree is green, the water is blue.", "the dog was slow."),
-    ("is the fire small", "the fire was small and red!", "the city had music."),
-    ("what sat on the tree", "a small bird sat on the tree.", "a kernel computes scores fast."),
+    Triple("what does the cat eat", "the cat eats fish, and the dog eats too.", "the river runs to the city."),
+    Triple("where is the river", "the river is in the mountain; it runs to the city.", "a song was on the paper."),
+    Triple("what is a kernel", "a kernel is fast: it computes a score.", "the bird sat on a tree."),
+    Triple("which light is dark", "the moon light is dark at the river.", "the fish was red and blue."),
+    Triple("what does the model train", "the model trains a loss with a query and a document.", "the sun is large."),
+    Triple("what is green", "the tree is green, the water is blue.", "the dog was slow."),
+    Triple("is the fire small", "the fire was small and red!", "the city had music."),
+    Triple("what sat on the tree", "a small bird sat on the tree.", "a kernel computes scores fast."),
 ]
 
 
@@ -94,17 +104,16 @@ def load_colbert(path: str, seed: int = 0):
 def contrastive_dataset():
     from datasets import Dataset
 
-    return Dataset.from_dict(
-        {"query": [t[0] for t in TRIPLES], "positive": [t[1] for t in TRIPLES], "negative": [t[2] for t in TRIPLES]}
-    )
+    return Dataset.from_dict({"query": [t.query for t in TRIPLES], "positive": [t.positive for t in TRIPLES],
+                              "negative": [t.negative for t in TRIPLES]})
 
 
 def distillation_dataset():
     from datasets import Dataset
 
-    docs = [[t[1], t[2], TRIPLES[(i + 1) % len(TRIPLES)][1]] for i, t in enumerate(TRIPLES)]
+    docs = [[t.positive, t.negative, TRIPLES[(i + 1) % len(TRIPLES)].positive] for i, t in enumerate(TRIPLES)]
     scores = [[0.9, 0.1, 0.3 + 0.05 * i] for i in range(len(TRIPLES))]
-    return Dataset.from_dict({"query": [t[0] for t in TRIPLES], "documents": docs, "scores": scores})
+    return Dataset.from_dict({"query": [t.query for t in TRIPLES], "documents": docs, "scores": scores})
 
 
 def make_loss(kind: str, model):
@@ -208,8 +217,8 @@ def run_scenario(encoder_dir: str, work_dir: str, kinds=("contrastive", "cached"
     from pylate import evaluation, rank
 
     model = load_colbert(encoder_dir)
-    queries = [t[0] for t in TRIPLES[:3]]
-    docs = [[t[1], t[2]] for t in TRIPLES[:3]]
+    queries = [t.query for t in TRIPLES[:3]]
+    docs = [[t.positive, t.negative] for t in TRIPLES[:3]]
     q_emb = model.encode(queries, is_query=True)
     d_emb = [model.encode(d, is_query=False) for d in docs]
     ids = [["p", "n"] for _ in docs]
@@ -218,12 +227,13 @@ def run_scenario(encoder_dir: str, work_dir: str, kinds=("contrastive", "cached"
         out = {"rerank": [[(r["id"], round(float(r["score"]), 5)) for r in row] for row in rank.rerank(ids, q_emb, d_emb)]}
         a = model.encode(queries, is_query=True, convert_to_tensor=True)
         b = torch.nn.utils.rnn.pad_sequence(
-            list(model.encode([t[1] for t in TRIPLES[:3]], is_query=False, convert_to_tensor=True)), batch_first=True
+            list(model.encode([t.positive for t in TRIPLES[:3]], is_query=False, convert_to_tensor=True)),
+            batch_first=True,
         )
         out["similarity"] = model.similarity(a, b).tolist()
-        triplet = evaluation.ColBERTTripletEvaluator(
-            anchors=[t[0] for t in TRIPLES], positives=[t[1] for t in TRIPLES], negatives=[t[2] for t in TRIPLES]
-        )
+        triplet = evaluation.ColBERTTripletEvaluator(anchors=[t.query for t in TRIPLES],
+                                                     positives=[t.positive for t in TRIPLES],
+                                                     negatives=[t.negative for t in TRIPLES])
         out["triplet"] = {k: float(v) for k, v in triplet(model).items()}
         ds = distillation_dataset()
         distil = evaluation.ColBERTDistillationEvaluator(
