@@ -25,11 +25,16 @@ first launch (3.6) builds it into the cache here, not in the job's first step.
 
 With ``--ship`` the same variants are built into the binaries the package ships
 (``kernels/triton/binaries/<arch>/``: cubins and a manifest, ``kernels/triton/binaries_build``)
-instead of Triton's cache; ``LIK_SHIPPED_BINARIES=1`` launches them without the JIT.
+instead of Triton's cache, and with them, per group of variants that differ only in
+specialisation hints, one compiled with none (``variants.generic_args``): the shipped-binary
+loader serves a launch whose own variant is not shipped -- a batch size, stride or view that
+changes an integer's divisibility or a tensor's alignment -- with it.
+``LIK_SHIPPED_BINARIES=1`` launches them without the JIT.
 
-Shapes outside the grid still run: a length in a bucket the grid did not reach, a batch
-whose size changes an integer's divisibility, or an unaligned view compiles its binary on
-first use (the call waits for it) -- never another code path.
+Shapes outside the grid still run: a length in a bucket the grid did not reach (other
+constexprs) compiles its binary on first use (the call waits for it), as does, in Triton's
+cache, a batch whose size changes an integer's divisibility or an unaligned view -- never
+another code path.
 """
 from __future__ import annotations
 
@@ -171,9 +176,12 @@ def _planning_for(arch: str):
         library.served_by, tuning.architecture, tuning._smem_budget, device.DEFAULT_SM_COUNT = saved
 
 
-def variants(hosts, dtypes, dims, arch: str) -> list[tuple]:
+def variants(hosts, dtypes, dims, arch: str, generic: bool = False) -> list[tuple]:
     """Every distinct launch ``(kernel, args, meta)`` the hosts' calls make on ``arch``, in a
-    stable order, the direct launcher's self-check kernel first."""
+    stable order.  ``generic``: also, per group of those (kernel, meta, dtypes: the binaries
+    that differ only in specialisation hints, ``variants.group``), the launch with no hints
+    (``variants.generic_args``), whose binary the shipped-binary loader gives any launch of
+    the group the build did not see (another batch size, length, stride or an unaligned view)."""
     from .kernels.triton import variants
 
     found = {}
@@ -188,6 +196,10 @@ def variants(hosts, dtypes, dims, arch: str) -> list[tuple]:
                     WORKLOADS[host](dtype, dim)
     for kernel, args, meta in launches:
         found.setdefault(variants.variant(kernel, args, meta), (kernel, args, meta))
+    if generic:
+        for kernel, args, meta in list(found.values()):
+            plain = variants.generic_args(kernel, args)
+            found.setdefault(variants.variant(kernel, plain, meta), (kernel, plain, meta))
     return [found[k] for k in sorted(found, key=repr)]
 
 
@@ -196,7 +208,8 @@ def describe(kernel, args, meta) -> str:
 
     dtypes = sorted({str(a.dtype).replace("torch.", "") for a in args if isinstance(a, torch.Tensor)})
     settings = " ".join(f"{k}={v}" for k, v in sorted(meta.items()))
-    return f"{variants.kernel_name(kernel)} [{','.join(dtypes)}] {settings}"
+    hints = variants.group(variants.variant(kernel, args, meta))[1]
+    return f"{variants.kernel_name(kernel)} [{','.join(dtypes)}] {settings} hints={hints}"
 
 
 def _require_jit(todo: list[tuple]) -> None:
@@ -267,7 +280,7 @@ def main(argv=None) -> int:
     arch = args.arch or device_arch()
     if arch is None:
         p.error("no CUDA device here: name the target with --arch (e.g. sm_90)")
-    todo = variants(args.hosts, [DTYPES[d] for d in args.dtypes], args.dims, arch)
+    todo = variants(args.hosts, [DTYPES[d] for d in args.dtypes], args.dims, arch, generic=args.ship)
     if args.list:
         for v in todo:
             print(describe(*v))

@@ -127,7 +127,7 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("binaries")
     command = [sys.executable, "-m", "lik_plugins.precompile", "--arch", "sm_90", "--hosts", "pylate",
                "--dtypes", "bf16"]
-    listed = subprocess.run([*command, "--list"], env=_compile_env(), capture_output=True, text=True, timeout=600)
+    listed = subprocess.run([*command, "--ship", "--list"], env=_compile_env(), capture_output=True, text=True, timeout=600)
     assert listed.returncode == 0, listed.stderr[-3000:]
     done = subprocess.run([*command, "--ship", "--out", str(out), "--jobs", "2"], env=_compile_env(),
                           capture_output=True, text=True, timeout=1800)
@@ -330,8 +330,13 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     assert isinstance(shipped, cuda.ShippedKernel) and shipped.layout.codes == "PPif"
     assert fresh_loader.find(variants.self_check_kernel, needed, 0) is shipped
     assert fresh_loader.diagnostics()["devices"][0] == {"arch": "sm_90", "shipped": len(built[1]), "loaded": 1}
-    # a variant the build did not reach: the JIT, counted
-    other = variants.variant(variants.self_check_kernel, (x, x[1:], 37, 2.0), variants.CHECK_META)
+    # a launch the build did not see (an unaligned output): its group's binary without hints
+    unaligned = variants.variant(variants.self_check_kernel, (x, x[1:], 37, 2.0), variants.CHECK_META)
+    generic = fresh_loader.find(variants.self_check_kernel, unaligned, 0)
+    assert isinstance(generic, cuda.ShippedKernel) and generic is not shipped and generic.layout.codes == "PPif"
+    assert fresh_loader._devices[0].chosen[unaligned] in fresh_loader._devices[0].loaded
+    # a launch of a group the build did not reach (other constexprs): the JIT, counted
+    other = variants.variant(variants.self_check_kernel, (x, x, 37, 2.0), {"BLOCK": 32})
     assert fresh_loader.find(variants.self_check_kernel, other, 0) is None
     assert fresh_loader.diagnostics()["missing"] == {"self_check_kernel": 1}
     # a kernel whose source is not the one the binaries were built from
@@ -409,7 +414,7 @@ def test_shipped_manifests_hold_the_variants_the_launchers_reach_now():
         code = ("import json, torch; from lik_plugins import precompile as p; "
                 "from lik_plugins.kernels.triton import binaries_loader as b, variants; "
                 f"todo = p.variants({work['hosts']!r}, [p.DTYPES[d] for d in {work['dtypes']!r}], {work['dims']!r}, "
-                f"{manifest['arch']!r}); print(json.dumps(sorted(b.variant_key(variants.variant(*v)) for v in todo)))")
+                f"{manifest['arch']!r}, generic=True); print(json.dumps(sorted(b.variant_key(variants.variant(*v)) for v in todo)))")
         done = subprocess.run([sys.executable, "-c", code], env=_compile_env(), capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -569,3 +574,51 @@ def test_host_calls_run_on_shipped_binaries_as_on_the_jit(case, dtype, cuda_mani
         assert _rel(got, ref) < tol and _rel(want, ref) < tol
         # the same kernel source compiled by two Triton releases: within rounding of each other
         assert _rel(got, want) < tol
+
+
+def _generic_only(monkeypatch) -> None:
+    """Every launch served by its group's binary without hints, as a launch the build did not
+    see is (the loader's self-check still launches its own binary)."""
+    def generic_key(device, variant):
+        group = variants.group(variant)[0]
+        return next((key for key, e in device.entries.items()
+                     if e["group"] == group and variants.specialisation(e["hints"]) == 0), None)
+
+    monkeypatch.setattr(binaries_loader._Device, "key_for", generic_key)
+
+
+def _loaded_hints(manifest, device) -> set:
+    return {manifest["variants"][k]["hints"] for k in device.loaded
+            if manifest["variants"][k]["kernel"] != "self_check_kernel"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", _cases(), ids=[c[0] for c in _cases()])
+@cuda_only
+def test_the_generic_binaries_compute_bit_for_bit_what_the_specialised_ones_do(case, dtype, cuda_manifest,
+                                                                                monkeypatch):
+    """The claim behind serving unseen launches with a group's generic binary: the hints
+    change how operands are loaded (vector widths, constants), not the order of any sum."""
+    name, fn, q_shape, d_shape = case
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dim = 128
+    Q0 = torch.nn.functional.normalize(torch.randn(*q_shape, dim, device="cuda", generator=g), dim=-1).to(dtype)
+    D0 = torch.nn.functional.normalize(torch.randn(*d_shape, dim, device="cuda", generator=g), dim=-1).to(dtype)
+    dm = torch.rand(d_shape, device="cuda", generator=g) > 0.2
+    qm = torch.rand(q_shape, device="cuda", generator=g) > 0.1
+
+    _cuda_mode(monkeypatch, True)
+    specialised = _run(fn, Q0, D0, dm, qm)
+    ordinal = torch.cuda.current_device()
+    assert any(variants.specialisation(h) for h in _loaded_hints(cuda_manifest, binaries_loader._devices[ordinal]))
+
+    with monkeypatch.context() as patched:
+        _generic_only(patched)
+        _cuda_mode(patched, True)
+        generic = _run(fn, Q0, D0, dm, qm)
+        served = _loaded_hints(cuda_manifest, binaries_loader._devices[ordinal])
+        report = binaries_loader.diagnostics()
+    assert served and all(variants.specialisation(h) == 0 for h in served), served
+    assert report["missing"] == {} and report["kernels"] == {}, report
+    for got, want in zip(generic[:3], specialised[:3]):
+        assert torch.equal(got, want)
