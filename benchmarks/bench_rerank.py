@@ -1,7 +1,7 @@
 """Reranking through the hosts' own entry points: ours (patched) against each host's own backends.
 
     python benchmarks/bench_rerank.py OUT_DIR [--quick] [--cpu] [--only pylate,colpali,st]
-        [--reps 5] [--warmup 2] [--rounds 1] [--skip host:variant,...]
+        [--reps 5] [--warmup 2] [--rounds 1] [--skip host:variant,...] [--cases part,...]
 
 Hosts and cases (d 128, unit-norm random tokens, seeded):
 
@@ -111,7 +111,7 @@ def _time(fn, reps, warmup):
     return times, peak, out
 
 
-def _run_variant(host, variant, quick, cpu, reps, warmup, tmp):
+def _run_variant(host, variant, quick, cpu, reps, warmup, tmp, cases=""):
     """One process: every case of ``host`` under ``variant``; rankings saved to ``tmp``."""
     results = []
     if variant == "ours":
@@ -125,6 +125,8 @@ def _run_variant(host, variant, quick, cpu, reps, warmup, tmp):
             from lik_plugins.sentence_transformers import patch_sentence_transformers
             patch_sentence_transformers()
     for case, dtype, where, device, nq, nc in _cases(host, quick, cpu):
+        if cases and not any(part in case for part in cases.split(",")):
+            continue
         if not torch.cuda.is_available():   # a smoke run of the harness on a CPU-only machine
             where, device = "cpu", None if device is None else "cpu"
         if case.startswith("cpu-resident") and variant in ("flash", "lik"):
@@ -190,12 +192,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="processes per variant, interleaved")
     parser.add_argument("--skip", default="", help="host:variant,... not to run (e.g. peers a previous run "
                         "measured slower than the host's fastest backend)")
+    parser.add_argument("--cases", default="", help="run only the cases whose name contains one of these "
+                        "comma-separated parts (e.g. cpu-resident)")
     parser.add_argument("--variant")      # internal: host:variant, run in this process
     parser.add_argument("--tmp")
     args = parser.parse_args()
     if args.variant:
         host, variant = args.variant.split(":")
-        rows = _run_variant(host, variant, args.quick, args.cpu, args.reps, args.warmup, args.tmp)
+        rows = _run_variant(host, variant, args.quick, args.cpu, args.reps, args.warmup, args.tmp, args.cases)
         with open(os.path.join(args.tmp, f"{host}_{variant}.json"), "w") as f:
             json.dump(rows, f)
         return
@@ -211,7 +215,8 @@ def main():
             for variant, env in variants:
                 cmd = [sys.executable, os.path.abspath(__file__), args.out, "--variant", f"{host}:{variant}",
                        "--tmp", tmp, "--reps", str(args.reps), "--warmup", str(args.warmup)] + \
-                      (["--quick"] if args.quick else []) + (["--cpu"] if args.cpu else [])
+                      (["--quick"] if args.quick else []) + (["--cpu"] if args.cpu else []) + \
+                      (["--cases", args.cases] if args.cases else [])
                 base = {k: v for k, v in os.environ.items() if k not in HOST_VARIABLES}
                 proc = subprocess.run(cmd, env={**base, **env}, capture_output=True, text=True)
                 sys.stdout.write(proc.stdout)
