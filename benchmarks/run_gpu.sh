@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|rerank|realloop|coldstart|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|rerank|realloop|coldstart|shipped|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   src/lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
 #   coldstart = benchmarks/coldstart.py and PyLate's real loop cold / precompiled / torch, one call;
+#   shipped = the shipped binaries against the JIT, then coldstart.py and the cold loops with them on;
 #   multigpu = benchmarks/multi_gpu.py over every GPU of the machine (NCCL, multicast off; options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e;
 # compressed = benchmarks/bench_compressed.py (PLAID residuals, int8, the projection head; ~2.5 min cold);
@@ -107,6 +108,16 @@ if [[ $stage == coldstart ]]; then
   timeout 200 python3 benchmarks/coldstart.py "$OUT" 2>&1 | tail -8
   timeout 260 python3 benchmarks/real_loop.py "$OUT" --loops pylate --impls lik_plugins,torch --steps 12 \
     --precompiled --timeout 100 "$@" 2>&1 | grep -v '^{'
+fi
+if [[ $stage == shipped ]]; then
+  # the shipped binaries against Triton's JIT in fresh processes on empty caches (results, first pass,
+  # launch cost); then the cold-process checks and the cold loops with the shipped binaries on,
+  # PyLate's torch path beside them in the same run
+  host_env
+  timeout 200 python3 benchmarks/shipped_binaries_check.py "$OUT/shipped" 2>&1 | tail -6
+  LIK_SHIPPED_BINARIES=1 timeout 200 python3 benchmarks/coldstart.py "$OUT/coldstart" 2>&1 | tail -8
+  LIK_SHIPPED_BINARIES=1 timeout 280 python3 benchmarks/real_loop.py "$OUT/loops" --loops pylate,vary-colbert \
+    --impls lik_plugins,torch --steps 12 --timeout 100 "$@" 2>&1 | grep -v '^{'
 fi
 if [[ $stage == multigpu ]]; then
   # NVLink multicast stays off in every process (NCCL, PyTorch symmetric memory, NVSHMEM)
