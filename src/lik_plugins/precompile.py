@@ -24,7 +24,7 @@ is also loaded once, so a Triton that compiles a C launcher per argument signatu
 first launch (3.6) builds it into the cache here, not in the job's first step.
 
 With ``--ship`` the same variants are built into the binaries the package ships
-(``kernels/triton/binaries/<arch>/``: cubins and a manifest, ``kernels/triton/binaries_build``)
+(``kernels/triton/binaries/<arch>.zip``: cubins and a manifest, ``kernels/triton/binaries_build``)
 instead of Triton's cache, and with them, per group of variants that differ only in
 specialisation hints, one compiled with none (``variants.generic_args``): the shipped-binary
 loader serves a launch whose own variant is not shipped -- a batch size, stride or view that
@@ -121,7 +121,8 @@ def _sentence_transformers(dtype, dim):
 
 def _ops(dtype, dim):
     """The public op as hand-written loops call it: in-batch with a document mask, queries
-    of 8-32 tokens, documents up to 1030."""
+    of 8-32 tokens, documents up to 1030; and a launch-bound call without autograd (a couple
+    of queries against a few short documents: a REPL, a smoke test, a host-cost benchmark)."""
     from . import ops
 
     for batch in (32, 64, 128, 256):
@@ -129,6 +130,9 @@ def _ops(dtype, dim):
             for ld in (64, 128, 180, 256, 300, 1030):
                 _train(ops.maxsim(_tokens(dtype, batch, lq, dim), _tokens(dtype, batch, ld, dim), None,
                                   _mask(batch, ld)))
+    with torch.no_grad():
+        for lq in (8, 16, 32):
+            ops.maxsim(_tokens(dtype, 2, lq, dim, grad=False), _tokens(dtype, 4, 16, dim, grad=False))
 
 
 WORKLOADS = {"pylate": _pylate, "colpali": _colpali, "sentence_transformers": _sentence_transformers, "ops": _ops}
@@ -234,31 +238,38 @@ def compile_all(todo: list[tuple], arch: str) -> None:
                 compiled.run
 
 
-def ship_part(todo: list[tuple], arch: str, out_root: str, part_file: str) -> None:
-    """A compiler process of ``--ship``: its share of the binaries, entries to ``part_file``."""
+def ship_part(todo: list[tuple], arch: str, part_file: str) -> None:
+    """A compiler process of ``--ship``: its share of the binaries, cubins beside ``part_file``
+    (in the parent's scratch folder), entries to ``part_file``."""
     import json
     from pathlib import Path
 
     from .kernels.triton import binaries_build
 
     _require_jit(todo)
-    entries = binaries_build.compile_part(todo, arch, Path(out_root) / arch)
+    entries = binaries_build.compile_part(todo, arch, _stage_dir(part_file), shared_limit=_facts(arch)[1])
     Path(part_file).write_text(json.dumps(entries))
 
 
+def _stage_dir(part_file: str):
+    from pathlib import Path
+
+    return Path(part_file).parent / "cubins"
+
+
 def ship(todo: list[tuple], arch: str, out_root: str, parts: list[str], workload: dict) -> str:
-    """Merge the processes' entries into the manifest; a line saying what was written."""
+    """Merge the processes' entries into the archive; a line saying what was written."""
     import json
     from pathlib import Path
 
-    from .kernels.triton import binaries_build
+    from .kernels.triton import binaries_build, binaries_loader
 
     entries = {}
     for part in parts:
         entries.update(json.loads(Path(part).read_text()))
-    out_dir = Path(out_root) / arch
-    binaries_build.write_manifest(todo, entries, arch, out_dir, workload)
-    return f"shipped {len(entries)} binaries in {out_dir} ({binaries_build.folder_bytes(out_dir) / 2**20:.1f} MiB)"
+    binaries_build.write_archive(todo, entries, arch, _stage_dir(parts[0]), Path(out_root), workload)
+    path = binaries_loader.archive_path(arch, Path(out_root))
+    return f"shipped {len(entries)} binaries in {path} ({path.stat().st_size / 2**20:.1f} MiB)"
 
 
 def main(argv=None) -> int:
@@ -271,7 +282,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 16),
                    help="compiler processes (Triton's compiler holds the GIL for much of its work)")
     p.add_argument("--ship", action="store_true",
-                   help="build the binaries the package ships (cubins + manifest), not Triton's cache")
+                   help="build the binaries the package ships (an archive of cubins + manifest), not Triton's cache")
     p.add_argument("--out", default=None,
                    help="with --ship: the binaries folder (default: the package's kernels/triton/binaries)")
     p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
@@ -290,7 +301,7 @@ def main(argv=None) -> int:
     if args.shard is not None:
         index, count = map(int, args.shard.split("/"))
         if args.ship:
-            ship_part(todo[index::count], arch, out_root, args.part_file)
+            ship_part(todo[index::count], arch, args.part_file)
         else:
             compile_all(todo[index::count], arch)
         return 0

@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -134,7 +135,7 @@ def built(tmp_path_factory):
     if done.returncode != 0 and "ptxas" in done.stderr.lower():
         pytest.skip(f"no usable ptxas for sm_90 here: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"in {out / 'sm_90'}" in done.stdout
+    assert f"in {out / 'sm_90.zip'}" in done.stdout
     return out, listed.stdout.strip().splitlines()[:-1]
 
 
@@ -156,10 +157,17 @@ def test_manifest_round_trip(built):
     # X, OUT pointers, n (not specialised: int32), scale (fp32); BLOCK is a constexpr after them
     assert entry["params"] == "PPif" and entry["function"] == "self_check_kernel"
     assert entry["num_warps"] == 4 and entry["shared"] >= 0
-    cubin = (built / "sm_90" / entry["file"]).read_bytes()
-    assert cubin[:4] == b"\x7fELF"
-    assert sorted(p.name for p in (built / "sm_90").glob("*.cubin")) == \
-        sorted(e["file"] for e in manifest["variants"].values())
+    with zipfile.ZipFile(built / "sm_90.zip") as archive:
+        assert archive.read(entry["file"])[:4] == b"\x7fELF"
+        assert all(m.compress_type == zipfile.ZIP_DEFLATED for m in archive.infolist())
+        members = sorted(archive.namelist())
+    # the manifest and the cubins its entries name, nothing else
+    assert members == sorted({"manifest.json", *(e["file"] for e in manifest["variants"].values())})
+    # every group of the listed variants has a binary without hints (serves any launch of the group)
+    groups = {e["group"] for e in manifest["variants"].values()}
+    assert groups == {e["group"] for e in manifest["variants"].values() if set(e["hints"]) <= {".", "-"}}
+    # compiled without hints, every specialised integer is a parameter of the binary
+    assert all(c != "-" for e in manifest["variants"].values() for h, c in zip(e["hints"], e["params"]) if h == ".")
     fwd = next(e for e in manifest["variants"].values() if e["kernel"] == "maxsim_fwd_kernel")
     # integers specialised to 1 (unit strides) are compiled in, not passed
     assert "-" in fwd["params"] and set(fwd["params"]) <= set("PilfB-")
@@ -339,6 +347,7 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     other = variants.variant(variants.self_check_kernel, (x, x, 37, 2.0), {"BLOCK": 32})
     assert fresh_loader.find(variants.self_check_kernel, other, 0) is None
     assert fresh_loader.diagnostics()["missing"] == {"self_check_kernel": 1}
+    assert fresh_loader.diagnostics()["unserved"] == {"self_check_kernel": [fresh_loader.variant_key(other)]}
     # a kernel whose source is not the one the binaries were built from
     fresh_loader._hashes[id(variants.self_check_kernel)] = "edited"
     fresh_loader._devices[0].loaded.clear()
@@ -387,17 +396,17 @@ def test_shipped_manifests_in_the_package_match_the_kernels():
     a kernel edited without ``precompile --ship`` would serve its launches through the JIT."""
     from lik_plugins.kernels.triton import binaries_loader as loader
 
-    manifests = sorted(loader.BINARIES_DIR.glob("*/manifest.json"))
+    manifests = loader.shipped_manifests()
     if not manifests:
         pytest.skip("no binaries shipped in this checkout")
     kernels = _package_kernels()
-    for path in manifests:
-        manifest = json.loads(path.read_text())
+    for arch, manifest in manifests.items():
         for name, digest in manifest["kernels"].items():
             assert loader.source_hash(kernels[name]) == digest, \
-                f"{path.parent.name}: {name} changed since the build; " + _REBUILD.format(arch=manifest["arch"])
-        files = {e["file"] for e in manifest["variants"].values()}
-        assert files == {p.name for p in path.parent.glob("*.cubin")}
+                f"{arch}: {name} changed since the build; " + _REBUILD.format(arch=arch)
+        with zipfile.ZipFile(loader.archive_path(arch)) as archive:
+            members = set(archive.namelist())
+        assert members == {"manifest.json", *(e["file"] for e in manifest["variants"].values())}
 
 
 def test_shipped_manifests_hold_the_variants_the_launchers_reach_now():
@@ -405,11 +414,10 @@ def test_shipped_manifests_hold_the_variants_the_launchers_reach_now():
     the variants precompile lists today for the build's workload are the ones shipped."""
     from lik_plugins.kernels.triton import binaries_loader as loader
 
-    manifests = sorted(loader.BINARIES_DIR.glob("*/manifest.json"))
+    manifests = loader.shipped_manifests()
     if not manifests:
         pytest.skip("no binaries shipped in this checkout")
-    for path in manifests:
-        manifest = json.loads(path.read_text())
+    for manifest in manifests.values():
         work = manifest["workload"]
         code = ("import json, torch; from lik_plugins import precompile as p; "
                 "from lik_plugins.kernels.triton import binaries_loader as b, variants; "
@@ -465,8 +473,7 @@ def _cuda_arch() -> str:
 
 @pytest.fixture(scope="module")
 def cuda_manifest():
-    path = binaries_loader.BINARIES_DIR / _cuda_arch() / "manifest.json"
-    if not path.is_file():
+    if not binaries_loader.archive_path(_cuda_arch()).is_file():
         pytest.skip(f"no shipped binaries for {_cuda_arch()}")
     return binaries_loader.read_manifest(_cuda_arch())
 

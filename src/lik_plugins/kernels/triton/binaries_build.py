@@ -1,4 +1,4 @@
-"""Build the shipped kernel binaries (``binaries/<arch>/``): run by
+"""Build the shipped kernel binaries (``binaries/<arch>.zip``): run by
 ``python -m lik_plugins.precompile --ship``, on any machine (no GPU needed).
 
 Each variant is compiled by the installed Triton through the JIT's own ``warmup`` (so it is
@@ -17,10 +17,11 @@ import hashlib
 import json
 import re
 import subprocess
+import zipfile
 from pathlib import Path
 
 from . import binaries_cuda as cuda
-from .binaries_loader import FORMAT, source_hash, variant_key
+from .binaries_loader import FORMAT, MANIFEST, archive_path, source_hash, variant_key
 from .offline import compiling_for
 from .variants import group, kernel_name, variant
 
@@ -63,20 +64,25 @@ def entry_for(kernel, args: tuple, meta: dict, compiled) -> dict:
             "num_warps": md.num_warps, "shared": md.shared, "params": codes}
 
 
-def compile_part(todo: list[tuple], arch: str, out_dir: Path) -> dict:
+def compile_part(todo: list[tuple], arch: str, stage_dir: Path, shared_limit: int) -> dict:
     """Compile ``todo`` (``(kernel, args, meta)`` launches) for ``arch``, write their
-    cubins into ``out_dir`` and return ``{key: entry}``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    cubins into ``stage_dir`` and return ``{key: entry}``.  A binary needing more shared
+    memory than ``shared_limit`` (the target's per-block opt-in) fails the build: the launchers
+    planned a config that GPU cannot run."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
     entries = {}
     with compiling_for(arch):
         for kernel, args, meta in todo:
             compiled = kernel.warmup(*args, grid=(1,), **meta)
             entry = entry_for(kernel, args, meta, compiled)
-            path = out_dir / entry["file"]
-            if not path.exists():
-                path.write_bytes(compiled.asm["cubin"])
+            if entry["shared"] > shared_limit:
+                raise ValueError(f"{entry['function']} {meta}: needs {entry['shared']} bytes of shared memory, "
+                                 f"{arch} has {shared_limit}")
             needed = variant(kernel, args, meta)
             entry["group"], entry["hints"] = group(needed)
+            path = stage_dir / entry["file"]
+            if not path.exists():
+                path.write_bytes(compiled.asm["cubin"])
             entries[variant_key(needed)] = entry
     return entries
 
@@ -91,10 +97,16 @@ def ptxas_release() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def write_manifest(todo: list[tuple], entries: dict, arch: str, out_dir: Path, workload: dict | None = None) -> dict:
-    """``out_dir/manifest.json`` for the merged ``entries``; cubins no entry names are removed.
-    ``workload``: the precompile arguments the variants came from (hosts, dtypes, dims), so
-    a check can list them again and compare."""
+# every member's date: the same binaries give the same archive, byte for byte
+_MEMBER_DATE = (2020, 1, 1, 0, 0, 0)
+
+
+def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, out_root: Path,
+                  workload: dict | None = None) -> dict:
+    """``out_root/<arch>.zip``: the manifest of the merged ``entries`` and the cubins they
+    name (from ``stage_dir``), deflated, in a stable order.  ``workload``: the precompile
+    arguments the variants came from (hosts, dtypes, dims), so a check can list them again
+    and compare."""
     import triton
     import torch
 
@@ -110,13 +122,15 @@ def write_manifest(todo: list[tuple], entries: dict, arch: str, out_dir: Path, w
         "kernels": dict(sorted(kernels.items())),
         "variants": dict(sorted(entries.items())),
     }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    used = {e["file"] for e in entries.values()}
-    for path in out_dir.glob("*.cubin"):
-        if path.name not in used:
-            path.unlink()
+    out_root.mkdir(parents=True, exist_ok=True)
+    path = archive_path(arch, out_root)
+    members = [(MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())]
+    members += [(name, (stage_dir / name).read_bytes()) for name in sorted({e["file"] for e in entries.values()})]
+    partial = path.with_suffix(".zip.partial")
+    with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as archive:
+        for name, data in members:
+            info = zipfile.ZipInfo(name, _MEMBER_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            archive.writestr(info, data, compresslevel=9)
+    partial.replace(path)          # a reader never sees half an archive
     return manifest
-
-
-def folder_bytes(out_dir: Path) -> int:
-    return sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())

@@ -1,6 +1,7 @@
 """Kernel binaries shipped with the package, launched without Triton's JIT.
 
-``binaries/<arch>/manifest.json`` lists, per variant a host's calls reach (the key
+``binaries/<arch>.zip`` holds one architecture's binaries (deflated members, each read on
+its first use) and ``manifest.json``, which lists, per variant a host's calls reach (the key
 :func:`lik_plugins.kernels.triton.variants.variant` gives a launch: kernel, constexprs and
 options, argument features), the cubin file and what launching it takes: the function
 name, warps, shared memory, and one parameter code per positional argument
@@ -31,6 +32,7 @@ import json
 import linecache
 import threading
 import types
+import zipfile
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ from .variants import CHECK_CALLS, CHECK_META, group, self_check_kernel, serves,
 
 BINARIES_DIR = Path(__file__).with_name("binaries")
 FORMAT = 2
+MANIFEST = "manifest.json"         # the archive's member naming the others
 _PACKAGE = __name__.split(".")[0] + "."
 
 _lock = threading.Lock()
@@ -47,6 +50,8 @@ _driver: list = []                 # [Driver] or [reason]: opened once per proce
 _devices: dict = {}                # ordinal -> _Device, or the reason it serves nothing
 _stale: dict = {}                  # kernel name -> reason its binaries are not used
 _missing: dict = {}                # kernel name -> launches with no shipped binary
+_unserved: dict = {}               # kernel name -> the first of those launches' variant keys
+_UNSERVED_KEPT = 16
 _hashes: dict = {}                 # id(kernel) -> source_hash(kernel)
 _UNSEEN = object()
 
@@ -143,14 +148,24 @@ def _kernel_hash(kernel) -> str:
     return value
 
 
+def archive_path(arch: str, root: Path | None = None) -> Path:
+    """Where ``arch``'s binaries are (under ``root``, default the package's)."""
+    return (root or BINARIES_DIR) / f"{arch}.zip"
+
+
 def read_manifest(arch: str, root: Path | None = None) -> dict:
-    """``binaries/<arch>/manifest.json`` (under ``root``, default the package's), checked
-    for its format."""
-    path = (root or BINARIES_DIR) / arch / "manifest.json"
-    manifest = json.loads(path.read_text())
+    """The manifest of ``arch``'s archive, checked for its format."""
+    path = archive_path(arch, root)
+    with zipfile.ZipFile(path) as archive:
+        manifest = json.loads(archive.read(MANIFEST))
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: format {manifest.get('format')!r}, this loader reads {FORMAT}")
     return manifest
+
+
+def shipped_manifests(root: Path | None = None) -> dict:
+    """``{arch: manifest}`` of every archive shipped (under ``root``)."""
+    return {path.stem: read_manifest(path.stem, root) for path in sorted((root or BINARIES_DIR).glob("sm_*.zip"))}
 
 
 class _Device:
@@ -159,6 +174,8 @@ class _Device:
 
     def __init__(self, driver: cuda.Driver, ordinal: int, arch: str, manifest: dict, root: Path):
         self.driver, self.ordinal, self.arch, self.root = driver, ordinal, arch, root
+        self._archive: zipfile.ZipFile | None = None
+        self._read_lock = threading.Lock()      # one ZipFile, read from the threads that launch
         self.entries = manifest["variants"]
         self.kernels = manifest["kernels"]
         self.loaded: dict = {}
@@ -203,7 +220,10 @@ class _Device:
 
     def _load(self, entry: dict) -> cuda.ShippedKernel:
         layout = cuda.LaunchLayout(entry["params"])
-        image = (self.root / self.arch / entry["file"]).read_bytes()
+        with self._read_lock:
+            if self._archive is None:
+                self._archive = zipfile.ZipFile(archive_path(self.arch, self.root))
+            image = self._archive.read(entry["file"])
         function = self.driver.load(image, entry["function"], entry["shared"], 32 * entry["num_warps"], self.ordinal)
         declared = self.driver.param_sizes(function)
         if declared is not None and declared != layout.param_sizes():
@@ -233,7 +253,7 @@ def _open_device(ordinal: int):
     except cuda.CudaError as exc:
         return f"device {ordinal}: {exc}"
     arch = f"sm_{major}{minor}"
-    if not (root / arch / "manifest.json").is_file():
+    if not archive_path(arch, root).is_file():
         return f"no shipped binaries for {arch}"
     try:
         manifest = read_manifest(arch, root)
@@ -309,6 +329,9 @@ def find(kernel, variant: tuple, ordinal: int):
         return None
     if shipped is None:
         _missing[name] = _missing.get(name, 0) + 1
+        unserved = _unserved.setdefault(name, [])
+        if len(unserved) < _UNSERVED_KEPT:
+            unserved.append(variant_key(variant))
     else:
         device.served[variant] = shipped
     return shipped
@@ -318,12 +341,14 @@ def diagnostics() -> dict:
     """What the shipped binaries serve in this process and, where they serve nothing, why:
     ``devices`` (ordinal -> architecture and loaded variants, or the reason), ``kernels``
     whose binaries are not used (name -> reason), ``missing`` (name -> launches of a variant
-    not shipped, which went through the JIT)."""
+    no shipped binary serves, which went through the JIT) and ``unserved`` (name -> the
+    first of those variants' keys: what a wider precompile grid would add)."""
     devices = {}
     for ordinal, device in sorted(_devices.items()):
         devices[ordinal] = device if isinstance(device, str) else {
             "arch": device.arch, "shipped": len(device.entries), "loaded": len(device.loaded)}
-    return {"devices": devices, "kernels": dict(_stale), "missing": dict(_missing)}
+    return {"devices": devices, "kernels": dict(_stale), "missing": dict(_missing),
+            "unserved": {name: list(keys) for name, keys in _unserved.items()}}
 
 
 def reset() -> None:
@@ -332,5 +357,6 @@ def reset() -> None:
     _devices.clear()
     _stale.clear()
     _missing.clear()
+    _unserved.clear()
     _hashes.clear()
     _trees.clear()
