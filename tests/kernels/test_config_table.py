@@ -115,3 +115,29 @@ def test_packed_launches_have_their_own_rows(on_h100, monkeypatch):
     assert after is None and {k: meta[k] for k in packed_row["config"]} == packed_row["config"]
     _, meta, _ = _forward(rows_per_q=32, qpb=1, save_arg=False, dtype=torch.bfloat16, n_programs=48_000)
     assert {k: meta[k] for k in dense_row["config"]} == dense_row["config"] != packed_row["config"]
+
+
+def test_an_a100_takes_the_h100_table_with_the_stages_its_shared_memory_holds(monkeypatch):
+    """sm_80 has no table of its own: sm_90's picks, with pipeline stages taken off where the
+    estimate (with the no-sweep margin) exceeds its 163 KiB; no sweep (the launches are the
+    ones ``precompile --ship --arch sm_80`` builds)."""
+    monkeypatch.setattr(tuning, "architecture", lambda: "sm80")
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_chosen", {})
+    monkeypatch.setattr(tuning, "_smem_budget", lambda: 166912)
+    monkeypatch.delenv("LIK_AUTOTUNE", raising=False)
+    # table row [32, 8, 128, True, False, 1, 1, bf16] -> BLOCK_N 64, 8 warps, 3 stages on sm_90.
+    # A 256-row block: 256*128*2 (queries) + s*64*128*2 (tiles) + 256*64*4 (scratch) bytes;
+    # 1.4 x that exceeds 166912 - 8192 for every s >= 1, so it keeps the least: 1 stage
+    kernel, meta, after = _forward(rows_per_q=32, qpb=8, n_programs=4096)
+    assert kernel is tuning.maxsim_fwd_kernel and after is None
+    assert (meta["BLOCK_N"], meta["num_warps"], meta["num_stages"]) == (64, 8, 1)
+    # row [32, 1, 128, True, False, 1, 1, bf16] -> BLOCK_N 128, 4 warps, 2 stages: a 32-row block,
+    # 1.4 x (8192 + 2*32768 + 16384) = 126 KiB fits: unchanged
+    kernel, meta, after = _forward(rows_per_q=32, qpb=1, n_programs=4096)
+    assert (meta["BLOCK_N"], meta["num_warps"], meta["num_stages"]) == (128, 4, 2)
+    # the H100 keeps its own table's stages
+    monkeypatch.setattr(tuning, "architecture", lambda: "sm90")
+    monkeypatch.setattr(tuning, "_chosen", {})
+    monkeypatch.setattr(tuning, "_smem_budget", lambda: 232448)
+    assert _forward(rows_per_q=32, qpb=8, n_programs=4096)[1]["num_stages"] == 3

@@ -153,15 +153,46 @@ def _default_forward(block_m: int, block_k: int, d_pad: int, dtype) -> dict:
     ColBERT shapes, with fewer stages where shared memory would not hold them."""
     # the MMA's operand: the documents' dtype (fp8 against float queries), but for documents
     # built in the kernel (residual, projection head: (Q, D, kind, ...) keys) Q's dtype
-    elem = (dtype if not isinstance(dtype, tuple) else dtype[0] if len(dtype) >= 3 else dtype[1]).itemsize
+    elem = _operand_bytes(dtype)
     block_n = 64 if d_pad <= 256 and elem <= 2 else 32
-    stages = 3
-    # _smem_bytes is the autotuner's estimate (it skips a config that does not fit); with no
-    # sweep to catch a miss, keep a margin: the estimate has fallen short of what a
-    # compiled fp32 config needed (docs/performance-notes.md, Host path)
-    while stages > 1 and 1.4 * _smem_bytes(block_m, block_n, block_k, stages, elem) > _smem_budget() - 8 * 1024:
+    config = {"BLOCK_N": block_n, "num_warps": 8 if block_m >= 256 else 4, "num_stages": 3}
+    return _fit_forward(config, block_m, block_k, elem)
+
+
+def _operand_bytes(dtype) -> int:
+    """Bytes per element of the forward's MMA operand: the documents' dtype (fp8 against
+    float queries), but for documents built in the kernel (residual, projection head:
+    (Q, D, kind, ...) keys) Q's dtype."""
+    return (dtype if not isinstance(dtype, tuple) else dtype[0] if len(dtype) >= 3 else dtype[1]).itemsize
+
+
+def _fit_forward(config: dict, block_m: int, block_k: int, elem: int) -> dict:
+    """``config`` with fewer pipeline stages where shared memory would not hold them.
+    _smem_bytes is the autotuner's estimate (it skips a config that does not fit); with no
+    sweep to catch a miss, keep a margin: the estimate has fallen short of what a compiled
+    fp32 config needed (docs/performance-notes.md, Host path)."""
+    stages = config["num_stages"]
+    while stages > 1 and 1.4 * _smem_bytes(block_m, config["BLOCK_N"], block_k, stages, elem) > \
+            _smem_budget() - 8 * 1024:
         stages -= 1
-    return {"BLOCK_N": block_n, "num_warps": 8 if block_m >= 256 else 4, "num_stages": stages}
+    return {**config, "num_stages": stages}
+
+
+def _fit_doc(config: dict, d_pad: int, elem: int) -> dict:
+    """A lowmem grad_D config with fewer stages where shared memory would not hold them
+    (the autotuner's prune, :func:`_doc_prune`)."""
+    stages = config["num_stages"]
+    while stages > 1 and stages * config["BLOCK_R"] * d_pad * elem + config["BLOCK_T"] * config["BLOCK_R"] * elem > \
+            _smem_budget() - 8 * 1024:
+        stages -= 1
+    return {**config, "num_stages": stages}
+
+
+def _fitted(kernel: str, key: tuple, config: dict) -> dict:
+    """A config of another architecture's table, made to fit this one's shared memory."""
+    if kernel == "forward":
+        return _fit_forward(config, key[0] * key[1], k_tile(key[2]), _operand_bytes(key[7]))
+    return _fit_doc(config, key[2], 4 if key[3] else _operand_bytes(key[8]))
 
 
 # ---------------------------------------------------------------- the config table
@@ -187,8 +218,24 @@ def architecture() -> str | None:
     return f"sm{major}{minor}"
 
 
-@functools.lru_cache(maxsize=None)
+# Architectures without a table of their own, and the table they take instead: an A100
+# (sm_80) gets the H100's picks, with fewer pipeline stages where its smaller shared memory
+# would not hold them (:func:`_fitted`), and sweeps nothing -- so its launches are the ones
+# ``precompile --ship --arch sm_80`` builds from the same table.  No sm_80 sweep has been run.
+STAND_IN_TABLES = {"sm80": "sm90"}
+
+
 def _table(arch: str | None) -> dict | None:
+    """``{kernel: {encoded key: config}}`` for ``arch`` (its own, else the table it takes,
+    :data:`STAND_IN_TABLES`), or None."""
+    own = _own_table(arch)
+    if own is None and arch in STAND_IN_TABLES:
+        return _own_table(STAND_IN_TABLES[arch])
+    return own
+
+
+@functools.lru_cache(maxsize=None)
+def _own_table(arch: str | None) -> dict | None:
     """``{kernel: {encoded key: config}}`` for ``arch``, or None where none is committed."""
     if arch is None:
         return None
@@ -220,7 +267,8 @@ def _from_table(kernel: str, key: tuple, *, size_at: int | None, default: dict) 
     mode = autotune_mode()
     if mode == "always":
         return None
-    table = _table(architecture())
+    arch = architecture()
+    table = _table(arch)
     config = None
     if table is not None:
         rows = table.get(kernel, {})
@@ -228,6 +276,8 @@ def _from_table(kernel: str, key: tuple, *, size_at: int | None, default: dict) 
         if config is None and size_at is not None:
             near = [(abs(size_at_class - key[size_at]), cfg) for size_at_class, cfg in _same_but_size(rows, key, size_at)]
             config = min(near, key=lambda t: t[0])[1] if near else None
+        if config is not None and _own_table(arch) is None:
+            config = _fitted(kernel, key, config)
     if config is None:
         if table is None and mode == "auto":
             return None
