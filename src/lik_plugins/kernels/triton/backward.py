@@ -146,31 +146,25 @@ def _gather_body(
 
 
 @triton.jit
-def _riding_gather(G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, s_ai,
-                   NORMALIZE: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr):
-    """grad_Q by the first programs of a grad_D launch: the gather, unsplit, scattering nothing."""
-    _gather_body(tl.program_id(0), G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, (0, 0), s_ai, 1, n_j,
-                 True, False, NORMALIZE, False, BLOCK_J, BLOCK_S, D_PAD)
-
-
-@triton.jit
-def _rides(n_gather_programs, WITH_GATHER: tl.constexpr):
-    """This program of a grad_D launch gathers grad_Q (``_riding_gather``): with
-    ``WITH_GATHER``, the first ``n_gather_programs`` do."""
+def _grad_d_program(
+    grad_d_tile: tl.constexpr, tile_args, G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd,
+    s_ai, n_gather_programs, WITH_GATHER: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """A program of a grad_D launch: ``grad_d_tile(tile, *tile_args)`` for the tile it owns.
+    With ``WITH_GATHER`` the first ``n_gather_programs`` programs compute grad_Q instead --
+    the gather, unsplit, scattering nothing -- and the tiles are numbered from 0 after them.
+    Callers write ``tile_args`` in the call: a tuple assigned to a name first would turn its
+    constexprs (the tile's block sizes and flags) into tensors."""
+    pid = tl.program_id(0)
     if WITH_GATHER:
-        return tl.program_id(0) < n_gather_programs
+        if pid < n_gather_programs:
+            _gather_body(pid, G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, (0, 0), s_ai, 1,
+                         n_j, True, False, NORMALIZE, False, BLOCK_J, BLOCK_S, D_PAD)
+        else:
+            grad_d_tile(pid - n_gather_programs, *tile_args)
     else:
-        return False
-
-
-@triton.jit
-def _tile_program(n_gather_programs, WITH_GATHER: tl.constexpr):
-    """The grad_D tile this program owns when it does not gather: numbered from 0 after the
-    gather's programs."""
-    if WITH_GATHER:
-        return tl.program_id(0) - n_gather_programs
-    else:
-        return tl.program_id(0)
+        grad_d_tile(pid, *tile_args)
 
 
 @triton.jit
@@ -352,13 +346,11 @@ def maxsim_bwd_doc_kernel(
     ``n_gather_programs`` programs compute grad_Q (the gather, unsplit) in the same launch:
     one launch less per step, which is what bounds the small training shapes on the host."""
     s_g, s_q, s_d, s_rd = (s_gi, s_gj), (s_qi, s_qs, s_qh), (s_di, s_dj, s_dt, s_dh), (s_rdi, s_rdj)
-    if _rides(n_gather_programs, WITH_GATHER):
-        _riding_gather(G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, s_ai,
-                       NORMALIZE, BLOCK_J, BLOCK_S, D_PAD)
-    else:
-        _grad_d_tile(_tile_program(n_gather_programs, WITH_GATHER), G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j,
-                     lq, ld, dim, s_g, s_q, s_d, s_rd, CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_T,
-                     BLOCK_R, D_PAD, GUARD_ROWS, COMPACT, SCAN)
+    _grad_d_program(_grad_d_tile, (G, Q, D, RQ, RD, ARG, ROWS, GD, n_q, n_j, lq, ld, dim, s_g, s_q, s_d, s_rd,
+                                   CROSS, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_T, BLOCK_R, D_PAD, GUARD_ROWS,
+                                   COMPACT, SCAN),
+                    G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, s_ai, n_gather_programs,
+                    WITH_GATHER, NORMALIZE, BLOCK_J, BLOCK_S, D_PAD)
 
 
 @triton.jit
@@ -440,12 +432,10 @@ def maxsim_bwd_winners_kernel(
     buffer; with ``WITH_GATHER`` the first ``n_gather_programs`` programs compute grad_Q
     in the same launch."""
     s_g, s_q, s_d, s_rd = (s_gi, s_gj), (s_qi, s_qs, s_qh), (s_di, s_dj, s_dt, s_dh), (s_rdi, s_rdj)
-    if _rides(n_gather_programs, WITH_GATHER):
-        _riding_gather(G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, s_ai,
-                       NORMALIZE, BLOCK_J, BLOCK_S, D_PAD)
-    else:
-        _winners_body(_tile_program(n_gather_programs, WITH_GATHER), G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld,
-                      dim, s_g, s_q, s_d, s_rd, s_ai, NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD)
+    _grad_d_program(_winners_body, (G, Q, D, RQ, RD, ARG, GD, n_j, lq, ld, dim, s_g, s_q, s_d, s_rd, s_ai,
+                                    NORMALIZE, F32_DOT, PRECISION, UPCAST, BLOCK_SW, D_PAD),
+                    G, Q, D, RQ, RD, ARG, GQ, GD, n_q, n_j, lq, dim, s_g, s_q, s_d, s_rd, s_ai, n_gather_programs,
+                    WITH_GATHER, NORMALIZE, BLOCK_J, BLOCK_S, D_PAD)
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_j", "lq", "s_gi", "s_ai", "n_split", "j_per_split"])
