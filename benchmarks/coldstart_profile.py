@@ -269,21 +269,29 @@ def child(mode: str, step_kind: str, out: str) -> dict:
         "shipped": binaries_loader.diagnostics(),
         "cprofile_top_cumulative": top[:40],
     }
-    with open(os.path.join(out, f"coldstart_profile_{mode}.json"), "w") as f:
-        json.dump(row, f, indent=1, default=str)
+    write_json(os.path.join(out, f"coldstart_profile_{mode}.json"), row)
     with open(os.path.join(out, f"coldstart_profile_{mode}.txt"), "w") as f:
         f.write(text.getvalue())
     return row
 
 
+def write_json(path: str, data: dict) -> None:
+    """A result file as this script and ``shipped_binaries_check`` write theirs: indented, values
+    JSON has no type for (dtypes, paths) as their strings."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+
+
 # ----------------------------------------------------------------------------- the parent
-def run_child(argv: list, env: dict, path: str) -> dict:
+def run_child(mode: str, argv: list, env: dict, path: str) -> dict:
     """One measuring process in a fresh interpreter (``python *argv``): the JSON it wrote at
-    ``path`` with ``process_s`` (its wall time) added, or ``{"error": its stderr, "process_s"}``."""
+    ``path`` with ``process_s`` (its wall time) added, or ``{"error": its stderr, "process_s"}``
+    (the error also printed under ``mode``)."""
     t = time.perf_counter()
     run = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t
     if run.returncode != 0 or not os.path.exists(path):
+        print(f"{mode}: FAILED\n{run.stderr[-2000:]}")
         return {"error": run.stderr[-3000:], "process_s": wall}
     with open(path) as f:
         row = json.load(f)
@@ -325,18 +333,15 @@ def main() -> int:
         if mode == "shipped":
             child_env["LIK_SHIPPED_BINARIES"] = "1"
         row = result["modes"][mode] = run_child(
-            [os.path.abspath(__file__), args.out, "--step", args.step, "--child", mode], child_env,
+            mode, [os.path.abspath(__file__), args.out, "--step", args.step, "--child", mode], child_env,
             os.path.join(args.out, f"coldstart_profile_{mode}.json"))
         if "error" in row:
-            print(f"{mode}: FAILED\n{row['error'][-1500:]}")
             continue
-        wall = row["process_s"]
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(row["phase_totals_ms"].items())[:4])
         print(f"{mode}: first step {row['first_step_s']:.3f} s, next {row['next_steps_s'][0]:.3f} s; "
               f"first launches {row['first_of_variant_wall_ms']:.0f} ms ({top}); "
-              f"cache files added {len(row['cache_files_added'])}; process {wall:.1f} s")
-    with open(os.path.join(args.out, "coldstart_profile.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
+              f"cache files added {len(row['cache_files_added'])}; process {row['process_s']:.1f} s")
+    write_json(os.path.join(args.out, "coldstart_profile.json"), result)
     return 0
 
 

@@ -51,7 +51,7 @@ def child(mode: str, out: str, repeat: int) -> None:
     from lik_plugins.kernels.triton import binaries_loader, direct
 
     sys.path.insert(0, HERE)
-    from coldstart_profile import Phases, _instrument
+    from coldstart_profile import Phases, _instrument, write_json
 
     torch.empty(1, device="cuda")
     phases = Phases()
@@ -114,8 +114,7 @@ def child(mode: str, out: str, repeat: int) -> None:
         "variants_launched": len(direct._VARIANTS),
     }
     torch.save(results, os.path.join(out, f"outputs_{mode}.pt"))
-    with open(os.path.join(out, f"shipped_check_{mode}.json"), "w") as f:
-        json.dump(row, f, indent=1, default=str)
+    write_json(os.path.join(out, f"shipped_check_{mode}.json"), row)
 
 
 def _compare(out: str, modes) -> dict:
@@ -201,7 +200,7 @@ def main() -> int:
     if args.child:
         child(args.child, args.out, args.repeat)
         return 0
-    from coldstart_profile import run_child
+    from coldstart_profile import run_child, write_json
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     caches = os.path.join(args.out, "caches")
@@ -212,25 +211,22 @@ def main() -> int:
         os.makedirs(cache, exist_ok=True)
         child_env = dict(env, TRITON_CACHE_DIR=cache, LIK_SHIPPED_BINARIES="1" if mode == "shipped" else "0")
         row = summary["modes"][mode] = run_child(
-            [os.path.abspath(__file__), args.out, "--repeat", str(args.repeat), "--child", mode], child_env,
+            mode, [os.path.abspath(__file__), args.out, "--repeat", str(args.repeat), "--child", mode], child_env,
             os.path.join(args.out, f"shipped_check_{mode}.json"))
         if "error" in row:
-            print(f"{mode}: FAILED\n{row['error'][-2000:]}")
             continue
-        wall = row["process_s"]
         print(f"{mode}: first pass {row['first_pass_s']:.2f} s (first launches {row['first_launch_total_ms']:.0f} ms "
               f"over {len(row['first_launches'])} variants, {row['first_launch_triton_ms']:.0f} ms in Triton, "
               f"{row['jit_launches_first_pass']} through it), second pass {row['second_pass_s']:.3f} s; "
               f"launch {row['launch_host_us_median']:.1f} us host, call {row['call_host_us']:.1f} us; "
-              f"shipped: {json.dumps(row['shipped']['devices'])}; process {wall:.1f} s")
+              f"shipped: {json.dumps(row['shipped']['devices'])}; process {row['process_s']:.1f} s")
     summary["correctness"] = _compare(args.out, MODES)
     worst = {k: max(r.get(k, 0) for r in summary["correctness"].values())
              for k in ("vs_fp64", "vs_jit-cold", "vs_jit-warm")} if summary["correctness"] else {}
     print(f"correctness (max relative error over the cases): {worst}; bitwise equal to jit-warm: "
           f"{sum(r.get('bitwise_jit-warm', False) for r in summary['correctness'].values())}"
           f"/{len(summary['correctness'])}")
-    with open(os.path.join(args.out, "shipped_binaries_check.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+    write_json(os.path.join(args.out, "shipped_binaries_check.json"), summary)
     return 0
 
 
