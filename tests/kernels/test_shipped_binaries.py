@@ -166,11 +166,43 @@ def test_manifest_round_trip(built):
     # every group of the listed variants has a binary without hints (serves any launch of the group)
     groups = {e["group"] for e in manifest["variants"].values()}
     assert groups == {e["group"] for e in manifest["variants"].values() if set(e["hints"]) <= {".", "-"}}
-    # compiled without hints, every specialised integer is a parameter of the binary
-    assert all(c != "-" for e in manifest["variants"].values() for h, c in zip(e["hints"], e["params"]) if h == ".")
-    fwd = next(e for e in manifest["variants"].values() if e["kernel"] == "maxsim_fwd_kernel")
+    # an integer is compiled in (no parameter) exactly where the binary was built for the value 1
+    assert all((c == "-") == (h == "1") for e in manifest["variants"].values()
+               for h, c in zip(e["hints"], e["params"]) if h != "-")
+    fwd = next(e for e in manifest["variants"].values() if e["kernel"] == "maxsim_fwd_kernel" and "1" in e["hints"])
     # integers specialised to 1 (unit strides) are compiled in, not passed
     assert "-" in fwd["params"] and set(fwd["params"]) <= set("PilfB-")
+
+
+def test_blanking_the_ptx_text_leaves_the_code_and_the_layout(tmp_path):
+    """The build zeroes the PTX source ``-lineinfo`` embeds: the disassembled SASS, the
+    section table and every other byte stay as ptxas wrote them."""
+    code = ("import torch, pathlib; from lik_plugins.kernels.triton import variants as v; "
+            "from lik_plugins.kernels.triton.offline import compiling_for; "
+            "from lik_plugins.kernels.triton.binaries_build import without_ptx_text; "
+            "x = torch.empty(100, device='meta'); out = pathlib.Path(%r)\n"
+            "with compiling_for('sm_90'):\n"
+            "    c = v.self_check_kernel.warmup(x, x, 37, 2.0, grid=(1,), **v.CHECK_META)\n"
+            "(out / 'a.cubin').write_bytes(c.asm['cubin']); (out / 'b.cubin').write_bytes(without_ptx_text(c.asm['cubin']))"
+            % str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], env=_compile_env(), capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 and "ptxas" in done.stderr.lower():
+        pytest.skip(f"no usable ptxas for sm_90 here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    original, blanked = (tmp_path / "a.cubin").read_bytes(), (tmp_path / "b.cubin").read_bytes()
+    assert len(blanked) == len(original) and blanked != original
+    # the PTX text is in there, and only its bytes changed: one zeroed run containing it
+    ptx = original.index(b".visible .entry self_check_kernel")
+    changed = [i for i, (a, b) in enumerate(zip(original, blanked)) if a != b]
+    assert changed[0] <= ptx <= changed[-1] and not any(blanked[changed[0]:changed[-1] + 1])
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump beside Triton's ptxas")
+    sass = [subprocess.run([str(cuobjdump), "-sass", str(tmp_path / f)], capture_output=True, text=True, check=True).stdout
+            for f in ("a.cubin", "b.cubin")]
+    assert "self_check_kernel" in sass[0] and sass[0] == sass[1]
 
 
 def test_ptx_parameter_sizes_are_read_from_the_entry():
@@ -351,6 +383,7 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     # a kernel whose source is not the one the binaries were built from
     fresh_loader._hashes[id(variants.self_check_kernel)] = "edited"
     fresh_loader._devices[0].loaded.clear()
+    fresh_loader._devices[0].served.clear()
     assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert "source differs" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
     # or whose source cannot be read: no check, no binary
@@ -407,6 +440,10 @@ def test_shipped_manifests_in_the_package_match_the_kernels():
         with zipfile.ZipFile(loader.archive_path(arch)) as archive:
             members = set(archive.namelist())
         assert members == {"manifest.json", *(e["file"] for e in manifest["variants"].values())}
+        # every binary fits the shared memory of its architecture's GPUs
+        from lik_plugins.precompile import TARGETS
+
+        assert max(e["shared"] for e in manifest["variants"].values()) <= TARGETS[arch][1]
 
 
 def test_shipped_manifests_hold_the_variants_the_launchers_reach_now():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 import subprocess
 import zipfile
 from pathlib import Path
@@ -64,6 +65,29 @@ def entry_for(kernel, args: tuple, meta: dict, compiled) -> dict:
             "num_warps": md.num_warps, "shared": md.shared, "params": codes}
 
 
+# The section ``ptxas -lineinfo`` fills with the kernel's PTX source, for debuggers and
+# profilers mapping SASS back to PTX; nearly half a cubin, and read by nothing that loads it.
+_PTX_TEXT_SECTION = b".nv_debug_ptx_txt"
+
+
+def without_ptx_text(cubin: bytes) -> bytes:
+    """``cubin`` with the PTX text section's bytes set to zero (deflated, next to nothing):
+    the ELF layout -- every section's offset and size, the code, its relocations -- is
+    unchanged, so the driver loads the same kernel."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2 or cubin[5] != 1:      # 64-bit little-endian ELF
+        raise ValueError("not a 64-bit little-endian ELF cubin")
+    (table,) = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", cubin, table + i * entry_size) for i in range(count)]
+    names_at = sections[names_index][4]
+    out = bytearray(cubin)
+    for name, _, _, _, offset, size in sections:
+        start = names_at + name
+        if cubin[start:cubin.index(b"\0", start)] == _PTX_TEXT_SECTION:
+            out[offset:offset + size] = bytes(size)
+    return bytes(out)
+
+
 def compile_part(todo: list[tuple], arch: str, stage_dir: Path, shared_limit: int) -> dict:
     """Compile ``todo`` (``(kernel, args, meta)`` launches) for ``arch``, write their
     cubins into ``stage_dir`` and return ``{key: entry}``.  A binary needing more shared
@@ -82,7 +106,7 @@ def compile_part(todo: list[tuple], arch: str, stage_dir: Path, shared_limit: in
             entry["group"], entry["hints"] = group(needed)
             path = stage_dir / entry["file"]
             if not path.exists():
-                path.write_bytes(compiled.asm["cubin"])
+                path.write_bytes(without_ptx_text(compiled.asm["cubin"]))
             entries[variant_key(needed)] = entry
     return entries
 
