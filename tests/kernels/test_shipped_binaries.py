@@ -653,6 +653,7 @@ def test_the_generic_binaries_compute_bit_for_bit_what_the_specialised_ones_do(c
 
     _cuda_mode(monkeypatch, True)
     specialised = _run(fn, Q0, D0, dm, qm)
+    again = _run(fn, Q0, D0, dm, qm)          # what repeats bit for bit (the unified backward's atomics need not)
     ordinal = torch.cuda.current_device()
     assert any(variants.specialisation(h) for h in _loaded_hints(cuda_manifest, binaries_loader._devices[ordinal]))
 
@@ -664,5 +665,9 @@ def test_the_generic_binaries_compute_bit_for_bit_what_the_specialised_ones_do(c
         report = binaries_loader.diagnostics()
     assert served and all(variants.specialisation(h) == 0 for h in served), served
     assert report["missing"] == {} and report["kernels"] == {}, report
-    for got, want in zip(generic[:3], specialised[:3]):
-        assert torch.equal(got, want)
+    for got, want, repeat in zip(generic[:3], specialised[:3], again[:3]):
+        if torch.equal(want, repeat):
+            assert torch.equal(got, want)
+        else:
+            assert _rel(got, want) < CUDA_TOL[dtype]
+    assert torch.equal(generic[0], specialised[0])          # the forward has no atomics: always bitwise
