@@ -97,3 +97,67 @@ def test_no_code_path_references_the_removed_machinery():
     for gone in ("kernels/triton/ahead.py", "kernels/triton/compile_worker.py", "kernels/expected.py",
                  "kernels/triton/launcher_check.py"):
         assert not ROOT.joinpath("src", "lik_plugins", gone).exists()
+
+
+_BENCHMARK_CALLS = '''
+import sys, torch, torch.nn.functional as F
+import lik_plugins as lik
+from lik_plugins import precompile as p
+from lik_plugins.kernels.triton import variants as V
+
+arch = sys.argv[1]
+def t(dtype, *shape, grad=True):
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+def m(*shape):
+    return torch.ones(shape, dtype=torch.bool, device="meta")
+def loss(s):
+    F.cross_entropy(s / 0.05, torch.zeros(s.shape[0], dtype=torch.long, device="meta")).backward()
+
+with p._planning_for(arch) as launches:
+    # shipped_binaries_check: the CUDA cases of test_shipped_binaries, bf16 and fp32, and its launch-bound call
+    for dt in (torch.bfloat16, torch.float32):
+        for qs, ds, qmask, kw in (((32, 32), (64, 180), False, dict(mask_mode="zero")),
+                                  ((16, 32), (16, 32, 180), False, dict(mask_mode="zero")),
+                                  ((16, 32), (16, 128), True, {}), ((32, 16), (32, 300), False, {})):
+            out = lik.maxsim(t(dt, *qs, 128), t(dt, *ds, 128), m(*qs) if qmask else None, m(*ds), **kw)
+            out.backward(torch.empty_like(out))
+        for ds in ((8, 1030), (8, 2, 1030)):
+            out = lik.maxsim(t(dt, 8, 16, 128), t(dt, *ds, 128))
+            out.backward(torch.empty_like(out))
+        for layout in ("cross", "pairs"):
+            out = lik.smooth_maxsim(t(dt, 8, 16, 128), t(dt, 8, 1030, 128), tau=0.1, layout=layout)
+            out.backward(torch.empty_like(out))
+    with torch.no_grad():
+        lik.maxsim(t(torch.bfloat16, 2, 8, 128, grad=False), t(torch.bfloat16, 4, 16, 128, grad=False))
+    # coldstart.py: ColBERT in-batch 256 x (32, 180), both backward choices
+    for backward in ("auto", "lowmem"):
+        loss(lik.maxsim(t(torch.bfloat16, 256, 32, 128), t(torch.bfloat16, 256, 180, 128), None, m(256, 180),
+                        backward=backward))
+    # real_loop.py: fixed (64, 32, 300), vary-colbert (Lq 8-32, Ld 60-300), vary-colpali (32, Lq 8-32, 1030)
+    for lq in (8, 9, 17, 31, 32):
+        for ld in (60, 61, 127, 128, 129, 180, 255, 256, 257, 299, 300):
+            loss(lik.maxsim(t(torch.bfloat16, 64, lq, 128), t(torch.bfloat16, 64, ld, 128), None, m(64, ld)))
+        loss(lik.maxsim(t(torch.bfloat16, 32, lq, 128), t(torch.bfloat16, 32, 1030, 128), None, m(32, 1030)))
+    # its PyLate loop: Contrastive, batch 128 with one hard negative, (32, 300), fp32 under autocast
+    for dt in (torch.float32, torch.bfloat16):
+        loss(lik.maxsim(t(dt, 128, 32, 128), t(dt, 256, 300, 128), None, m(256, 300), mask_mode="zero"))
+reached = {V.group(V.variant(*launch))[0] for launch in launches}
+grid = {V.group(V.variant(*v))[0] for v in p.variants(list(p.HOSTS), [torch.bfloat16, torch.float32], [128], arch)}
+print(len(reached), len(reached - grid))
+for missing in sorted(reached - grid):
+    print(missing)
+'''
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_the_gpu_checks_calls_are_in_the_shipped_grid(arch, tmp_path):
+    """Every launch of the GPU checks (benchmarks/shipped_binaries_check.py, coldstart.py,
+    real_loop.py) has its group -- kernel, constexprs, dtypes -- in the grid ``--ship`` builds:
+    a shipped binary serves it, with no JIT compile."""
+    script = tmp_path / "calls.py"
+    script.write_text(_BENCHMARK_CALLS)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), arch], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reached, missing = map(int, done.stdout.split("\n")[0].split())
+    assert reached >= 20 and missing == 0, done.stdout[-3000:]
