@@ -160,7 +160,7 @@ def _planning_for(arch: str):
     (its committed config table, SMs and shared memory) and note their launches."""
     from .kernels import dispatch as library  # the chooser: served_by is patched there
     from .kernels import device
-    from .kernels.triton import direct, tuning
+    from .kernels.triton import direct, launch, tuning
 
     name = arch.replace("_", "")
     if tuning._table(name) is None:
@@ -168,16 +168,20 @@ def _planning_for(arch: str):
                          "its first calls sweep configs on the GPU; build the table there first "
                          "(bash benchmarks/run_gpu.sh tune)")
     sms, smem = _facts(arch)
-    saved = (library.served_by, tuning.architecture, tuning._smem_budget, device.DEFAULT_SM_COUNT)
+    saved = (library.served_by, tuning.architecture, tuning._smem_budget, tuning._chosen, device.DEFAULT_SM_COUNT)
     library.served_by = lambda t, op="maxsim": "triton"
     tuning.architecture = lambda: name
     tuning._smem_budget = lambda: smem
+    tuning._chosen = {}               # configs picked for another architecture are not this one's
     device.DEFAULT_SM_COUNT = sms     # what sm_count() answers for a non-CUDA (here: meta) device
+    launch.clear_plans()              # nor are the launch plans (blocking and config) made before
     try:
         with direct.recording() as launches:
             yield launches
     finally:
-        library.served_by, tuning.architecture, tuning._smem_budget, device.DEFAULT_SM_COUNT = saved
+        (library.served_by, tuning.architecture, tuning._smem_budget, tuning._chosen,
+         device.DEFAULT_SM_COUNT) = saved
+        launch.clear_plans()
 
 
 def variants(hosts, dtypes, dims, arch: str, generic: bool = False) -> list[tuple]:

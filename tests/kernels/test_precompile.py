@@ -4,6 +4,7 @@ serving-while-compiling machinery.  That the runtime JIT finds what precompile b
 compiles in a fresh process on the filled cache) needs a GPU: ``benchmarks/coldstart.py``."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -161,3 +162,17 @@ def test_the_gpu_checks_calls_are_in_the_shipped_grid(arch, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     reached, missing = map(int, done.stdout.split("\n")[0].split())
     assert reached >= 20 and missing == 0, done.stdout[-3000:]
+
+
+def test_planning_for_one_architecture_leaves_nothing_to_the_next():
+    """Configs and launch plans chosen for sm_80 (fewer stages) are not reused when the same
+    process then lists sm_90: it gets what a fresh process lists."""
+    code = ("import torch, json; from lik_plugins import precompile as p; "
+            "from lik_plugins.kernels.triton import variants as v; "
+            "keys = lambda arch: sorted(repr(v.variant(*t)) for t in p.variants(['pylate'], [torch.bfloat16], [128], arch)); "
+            "{} print(json.dumps(keys('sm_90')))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    after_sm80, alone = (subprocess.run([sys.executable, "-c", code.format(first)], env=env, capture_output=True,
+                                        text=True, timeout=600) for first in ("keys('sm_80');", ""))
+    assert after_sm80.returncode == 0 and alone.returncode == 0, after_sm80.stderr[-2000:] + alone.stderr[-2000:]
+    assert after_sm80.stdout == alone.stdout and len(json.loads(alone.stdout)) > 10
