@@ -18,11 +18,12 @@ between two calls in the same process.
                             (default 2**24, i.e. 64 MB of fp32 scratch).
 ``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
                             the compiled launcher (see ``kernels/triton/direct.py``).
-``LIK_SHIPPED_BINARIES``    ``1``: launch the kernel binaries shipped with the package
+``LIK_SHIPPED_BINARIES``    ``1`` (default): launch the kernel binaries shipped with the package
                             (``kernels/triton/binaries/<arch>/``) through the CUDA driver,
                             without Triton's JIT; variants not shipped, other architectures
                             and a failed load or self-check go through the JIT
                             (``kernels/triton/binaries_loader.diagnostics()`` says why).
+                            ``0``: every launch through Triton's JIT.
 ``LIK_AUTOTUNE``            ``auto`` (default): forward and backward configs come from the
                             committed per-architecture table (``kernels/triton/configs/``);
                             an architecture without a table is swept once and the result
@@ -129,8 +130,9 @@ def direct_launch_enabled() -> bool:
 
 
 def shipped_binaries_enabled() -> bool:
-    """``LIK_SHIPPED_BINARIES=1``: opt in to the shipped kernel binaries (``binaries_loader``)."""
-    return _flag("LIK_SHIPPED_BINARIES")
+    """The shipped kernel binaries (``binaries_loader``) serve launches unless
+    ``LIK_SHIPPED_BINARIES=0``."""
+    return _parsed("LIK_SHIPPED_BINARIES", "1", _is_not_false)
 
 
 def _backend(raw: str) -> str:

@@ -410,11 +410,11 @@ def test_a_binary_declaring_other_parameters_is_not_launched(fresh_loader, stub,
     assert "the binary takes parameters of" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
 
 
-def test_the_environment_switch_is_off_unless_set(monkeypatch):
+def test_the_environment_switch_is_on_unless_turned_off(monkeypatch):
     from lik_plugins._config import shipped_binaries_enabled
 
     monkeypatch.delenv("LIK_SHIPPED_BINARIES", raising=False)
-    assert not shipped_binaries_enabled()
+    assert shipped_binaries_enabled()
     monkeypatch.setenv("LIK_SHIPPED_BINARIES", "1")
     assert shipped_binaries_enabled()
     monkeypatch.setenv("LIK_SHIPPED_BINARIES", "0")

@@ -22,7 +22,7 @@ binaries were built compiles through the JIT instead).  Before the first shipped
 a device, the self-check kernel's binary runs twice (other lengths, another scalar) and its
 output is compared with the values it must write; any failure there -- no ``libcuda``, a
 driver older than the binaries, a load error, a wrong value -- leaves the device on the
-JIT path, with the reason.  Opt-in with ``LIK_SHIPPED_BINARIES=1``.
+JIT path, with the reason.  On by default; ``LIK_SHIPPED_BINARIES=0`` turns it off.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ arguments (lengths, and strides that follow them), of which only the 32-bit fit 
 calls with the same key get the same compiled binary from the JIT too, so replaying it is
 what the JIT would have launched; and a length the plan has not seen yet replays it too.
 
-With ``LIK_SHIPPED_BINARIES=1`` a plan's first launch looks for the variant among the
+Unless ``LIK_SHIPPED_BINARIES=0``, a plan's first launch looks for the variant among the
 binaries shipped with the package first (``binaries_loader``): found, the plan launches it
 through the CUDA driver and the JIT never runs for it; not found (another GPU, an unusual
 specialisation, a kernel edited since the build), the plan goes through the JIT as below.
