@@ -29,7 +29,7 @@ instead of Triton's cache, and with them, per group of variants that differ only
 specialisation hints, one compiled with none (``variants.generic_args``): the shipped-binary
 loader serves a launch whose own variant is not shipped -- a batch size, stride or view that
 changes an integer's divisibility or a tensor's alignment -- with it.
-the package launches them without the JIT (``LIK_SHIPPED_BINARIES=0``: through the JIT).
+The package launches them without the JIT (``LIK_SHIPPED_BINARIES=0``: through the JIT).
 
 Shapes outside the grid still run: a length in a bucket the grid did not reach (other
 constexprs) compiles its binary on first use (the call waits for it), as does, in Triton's
