@@ -163,8 +163,7 @@ def stub_host_cost(repeat: int) -> dict:
         driver = cuda.Driver(ctypes.CDLL(so))
     tensor = torch.zeros(16)
     per_kernel: dict = {}
-    for manifest_path in sorted(binaries_loader.BINARIES_DIR.glob("*/manifest.json")):
-        manifest = json.loads(open(manifest_path).read())
+    for manifest in binaries_loader.shipped_manifests().values():
         for entry in manifest["variants"].values():
             codes = entry["params"]
             args = tuple(tensor if c == cuda.POINTER else 1.5 if c == cuda.FLOAT32 else 1 if c == cuda.DROPPED else 7

@@ -19,7 +19,7 @@ between two calls in the same process.
 ``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
                             the compiled launcher (see ``kernels/triton/direct.py``).
 ``LIK_SHIPPED_BINARIES``    ``1`` (default): launch the kernel binaries shipped with the package
-                            (``kernels/triton/binaries/<arch>/``) through the CUDA driver,
+                            (``kernels/triton/binaries/<arch>.zip``) through the CUDA driver,
                             without Triton's JIT; variants not shipped, other architectures
                             and a failed load or self-check go through the JIT
                             (``kernels/triton/binaries_loader.diagnostics()`` says why).
