@@ -326,6 +326,24 @@ def test_runs(src: Source):
             yield src.row(run.get("code", ""), "lik_plugins", f"tests_{what}", int(n), command=run.get("command"))
 
 
+def shipped_check(src: Source):
+    """shipped_binaries_check.py: per mode (shipped binaries, the JIT on an empty or a filled
+    cache) the first pass over the hosts' cases, the launches through Triton, host cost."""
+    for mode, r in src.data["modes"].items():
+        if "error" in r:
+            continue
+        src.base["device"] = src.base["device"] or r.get("device", "")
+        src.base["torch"] = src.base["torch"] or r.get("torch", "")
+        src.base["triton"] = src.base["triton"] or r.get("triton", "")
+        for metric, unit in (("first_pass_s", "s"), ("second_pass_s", "s"), ("jit_launches_first_pass", ""),
+                             ("launch_host_us_median", "us"), ("call_host_us", "us"), ("process_s", "s")):
+            yield src.row("hosts' cases, fresh process", mode, metric, r.get(metric), unit)
+    equal = [r.get("bitwise_jit-warm", False) for r in src.data.get("correctness", {}).values()]
+    if equal:
+        yield src.row("hosts' cases, fresh process", "shipped", "cases_bitwise_equal_to_jit", sum(equal), "",
+                      f"of {len(equal)}")
+
+
 def _rows0(d) -> dict:
     rows = d.get("rows") if isinstance(d, dict) else None
     return rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
@@ -351,6 +369,7 @@ READERS = (
     (lambda d: "cases" in d or "heads" in d, parity),
     (lambda d: "candidates_per_query" in _rows0(d), rerank),
     (lambda d: isinstance(d.get("runs"), list) and all("summary" in r for r in d["runs"]), test_runs),
+    (lambda d: isinstance(d.get("modes"), dict) and "correctness" in d, shipped_check),
 )
 
 

@@ -64,3 +64,21 @@ def test_rows_of_removed_files_survive_a_rerun(tmp_path):
     assert len(second) == len(first)
     times = {r["benchmark"]: r["value"] for r in second if r["metric"] == "time"}
     assert times == {"kernels": "1.0", "kernels_before": "3.0"}
+
+
+def test_the_shipped_binaries_check_is_read_per_mode(tmp_path):
+    day = tmp_path / "gpux" / "2026-01-03"
+    day.mkdir(parents=True)
+    mode = {"device": "GPU X", "torch": "2.0", "triton": "3.0", "first_pass_s": 3.0, "jit_launches_first_pass": 0}
+    (day / "shipped_binaries_check.json").write_text(json.dumps({
+        "modes": {"shipped": mode, "jit-cold": {**mode, "first_pass_s": 44.0, "jit_launches_first_pass": 32},
+                  "jit-warm": {"error": "crashed"}},
+        "correctness": {"a/bf16": {"bitwise_jit-warm": True}, "b/fp32": {"bitwise_jit-warm": False}}}))
+
+    assert collect_results.main([str(tmp_path)]) == 0
+    rows = {(r["implementation"], r["metric"]): r for r in _read(tmp_path / "gpux.csv")}
+    assert rows["shipped", "first_pass_s"]["value"] == "3.0" and rows["shipped", "first_pass_s"]["device"] == "GPU X"
+    assert rows["jit-cold", "jit_launches_first_pass"]["value"] == "32"
+    assert not [k for k in rows if k[0] == "jit-warm"]          # an errored mode measured nothing
+    assert rows["shipped", "cases_bitwise_equal_to_jit"]["value"] == "1"
+    assert rows["shipped", "cases_bitwise_equal_to_jit"]["spread"] == "of 2"
