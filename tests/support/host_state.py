@@ -14,3 +14,17 @@ def module_globals(prefix: str, names: tuple[str, ...]) -> dict:
         for a in names
         if a in vars(m)
     }
+
+
+def routes_of_one_call(call) -> dict:
+    """``routing_counts()`` of ``call()`` alone: the counts reset first."""
+    from lik_plugins import reset_routing_counts, routing_counts
+
+    reset_routing_counts()
+    call()
+    return routing_counts()
+
+
+def same_objects(before: dict, after: dict) -> bool:
+    """The same names, each bound to the very same object (not an equal one)."""
+    return before.keys() == after.keys() and all(before[k] is after[k] for k in before)

@@ -11,6 +11,7 @@ pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'In
 import torch  # noqa: E402
 
 from lik_plugins import reset_routing_counts, routing_counts  # noqa: E402
+from support import host_state  # noqa: E402
 from lik_plugins.pylate import patch_pylate, unpatch_pylate  # noqa: E402
 
 OURS = {"triton", "metal", "torch-chunked", "reference"}
@@ -310,17 +311,13 @@ def test_patch_twice_then_unpatch_restores_everything(monkeypatch):
     patch_pylate()
     assert losses.Distillation.__init__.__defaults__[0] is not distillation_default
     Q, D, _, _ = _inputs(seed=10)
-    reset_routing_counts()
-    scores.colbert_scores(Q, D)
-    assert routing_counts()["pylate.colbert_scores"] == {"torch-chunked": 1}  # not wrapped twice
+    routes = host_state.routes_of_one_call(lambda: scores.colbert_scores(Q, D))
+    assert routes["pylate.colbert_scores"] == {"torch-chunked": 1}  # not wrapped twice
     unpatch_pylate()
     after = _snapshot()
-    assert before[0].keys() == after[0].keys()
-    assert all(before[0][k] is after[0][k] for k in before[0])
+    assert host_state.same_objects(before[0], after[0])
     assert before[1] == after[1] and before[2] == after[2]
-    reset_routing_counts()
-    scores.colbert_scores(Q, D)
-    assert routing_counts() == {}
+    assert host_state.routes_of_one_call(lambda: scores.colbert_scores(Q, D)) == {}
     assert models.ColBERT.__dict__.get("_similarity") is None
 
 

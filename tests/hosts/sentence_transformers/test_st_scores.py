@@ -18,6 +18,7 @@ st_tiny.require_st6()
 import torch  # noqa: E402
 
 from lik_plugins import reset_routing_counts, routing_counts  # noqa: E402
+from support import host_state  # noqa: E402
 from lik_plugins.sentence_transformers import patch_sentence_transformers, unpatch_sentence_transformers  # noqa: E402
 
 OURS = {"triton", "metal", "torch-chunked", "reference"}
@@ -281,16 +282,13 @@ def test_patch_twice_then_unpatch_restores_everything():
     assert served.__module__ == "sentence_transformers.util.similarity" and served.__doc__
     assert inspect.signature(served) == inspect.signature(served.__wrapped__)
     Q, D, _, _ = _inputs(seed=12)
-    reset_routing_counts()
-    similarity.maxsim(Q, D)
-    assert routing_counts()["sentence_transformers.maxsim"] == {"torch-chunked": 1}  # not wrapped twice
+    routes = host_state.routes_of_one_call(lambda: similarity.maxsim(Q, D))
+    assert routes["sentence_transformers.maxsim"] == {"torch-chunked": 1}  # not wrapped twice
     unpatch_sentence_transformers()
     after = _snapshot()
-    assert before[0].keys() == after[0].keys() and all(before[0][k] is after[0][k] for k in before[0])
+    assert host_state.same_objects(before[0], after[0])
     assert before[1] == after[1]
-    reset_routing_counts()
-    similarity.maxsim(Q, D)
-    assert routing_counts() == {}
+    assert host_state.routes_of_one_call(lambda: similarity.maxsim(Q, D)) == {}
 
 
 def test_objects_built_before_the_patch_are_served(tmp_path):
