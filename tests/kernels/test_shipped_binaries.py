@@ -576,6 +576,16 @@ def _reference(name, Q, D, dm, qm):
     return reference.maxsim(Q64, D64, qm if name == "st" else None, dm)
 
 
+def _case_inputs(q_shape, d_shape, dtype, dim=128):
+    """Unit-norm queries and documents of a case, with token masks, seeded."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Q0 = torch.nn.functional.normalize(torch.randn(*q_shape, dim, device="cuda", generator=g), dim=-1).to(dtype)
+    D0 = torch.nn.functional.normalize(torch.randn(*d_shape, dim, device="cuda", generator=g), dim=-1).to(dtype)
+    dm = torch.rand(d_shape, device="cuda", generator=g) > 0.2
+    qm = torch.rand(q_shape, device="cuda", generator=g) > 0.1
+    return Q0, D0, dm, qm
+
+
 def _run(fn, Q0, D0, dm, qm, grad_seed=1):
     Q, D = Q0.detach().requires_grad_(), D0.detach().requires_grad_()
     out = fn(Q, D, dm, qm)
@@ -589,12 +599,7 @@ def _run(fn, Q0, D0, dm, qm, grad_seed=1):
 @cuda_only
 def test_host_calls_run_on_shipped_binaries_as_on_the_jit(case, dtype, cuda_manifest, monkeypatch):
     name, fn, q_shape, d_shape = case
-    g = torch.Generator(device="cuda").manual_seed(0)
-    dim = 128
-    Q0 = torch.nn.functional.normalize(torch.randn(*q_shape, dim, device="cuda", generator=g), dim=-1).to(dtype)
-    D0 = torch.nn.functional.normalize(torch.randn(*d_shape, dim, device="cuda", generator=g), dim=-1).to(dtype)
-    dm = torch.rand(d_shape, device="cuda", generator=g) > 0.2
-    qm = torch.rand(q_shape, device="cuda", generator=g) > 0.1
+    Q0, D0, dm, qm = _case_inputs(q_shape, d_shape, dtype)
 
     _cuda_mode(monkeypatch, True)
     direct.reset_variants()
@@ -644,12 +649,7 @@ def test_the_generic_binaries_compute_bit_for_bit_what_the_specialised_ones_do(c
     """The claim behind serving unseen launches with a group's generic binary: the hints
     change how operands are loaded (vector widths, constants), not the order of any sum."""
     name, fn, q_shape, d_shape = case
-    g = torch.Generator(device="cuda").manual_seed(0)
-    dim = 128
-    Q0 = torch.nn.functional.normalize(torch.randn(*q_shape, dim, device="cuda", generator=g), dim=-1).to(dtype)
-    D0 = torch.nn.functional.normalize(torch.randn(*d_shape, dim, device="cuda", generator=g), dim=-1).to(dtype)
-    dm = torch.rand(d_shape, device="cuda", generator=g) > 0.2
-    qm = torch.rand(q_shape, device="cuda", generator=g) > 0.1
+    Q0, D0, dm, qm = _case_inputs(q_shape, d_shape, dtype)
 
     _cuda_mode(monkeypatch, True)
     specialised = _run(fn, Q0, D0, dm, qm)
