@@ -2,6 +2,7 @@
 ``backward="lowmem"`` bitwise across fresh processes, and precompile -> zero compiles.
 
     python benchmarks/coldstart.py OUT_DIR
+    python benchmarks/coldstart.py OUT_DIR --table [--only a,b]
 
 Every cell is a fresh Python process.  The step: ColBERT in-batch 256 (Q ``[256, 32, 128]``,
 D ``[256, 180, 128]`` with ragged document masks, bf16), ``maxsim`` -> cross entropy ->
@@ -15,7 +16,12 @@ backward, ``backward`` as asked.
   own processes, then a fresh process runs the same calls on it, counting the binaries
   Triton builds (its compile listener: cache misses) and the cache's files before and after.
 
-Writes ``coldstart.json`` and ``coldstart.md``.
+``--table``: every row of the side-by-side table (``bench_kernels.ALL_SHAPES``; ``--only``
+picks rows by name) in a fresh process on its own empty ``TRITON_CACHE_DIR``: ``do_bench`` of
+the row's call (forward + backward for the training rows, as ``bench_kernels`` times it) as
+the process's first call, then again, the binaries Triton built and ``routing_counts()``.
+
+Writes ``coldstart.json`` and ``coldstart.md`` (``coldstart_table.{json,md}`` with ``--table``).
 """
 from __future__ import annotations
 
@@ -69,13 +75,90 @@ def _cell() -> dict:
                 compiled=sorted(set(misses)))
 
 
+def _table_cell(name: str) -> dict:
+    """One side-by-side row, fresh: do_bench first, then again (``--table``)."""
+    import torch
+    import triton
+    from triton.testing import do_bench
+
+    misses: list = []
+
+    def listen(*, src, metadata, metadata_group, times, cache_hit):
+        if not cache_hit:
+            misses.append(getattr(src, "name", str(src)))
+
+    triton.knobs.compilation.listener = listen
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_kernels
+    import lik_plugins
+
+    shape = next(s for s in bench_kernels.ALL_SHAPES if s.name == name)
+    Q0, D0 = bench_kernels.make_inputs(shape)
+    train = shape.kind == "train"
+    if train:
+        Q0.requires_grad_()
+        D0.requires_grad_()
+        grad = None
+
+    def call():
+        nonlocal grad
+        if not train:
+            with torch.no_grad():
+                return bench_kernels.ours(Q0, D0, shape.layout)
+        Q0.grad = D0.grad = None
+        out = bench_kernels.ours(Q0, D0, shape.layout)
+        if grad is None:
+            grad = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        out.backward(grad)
+        return out
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fresh_ms = do_bench(call, warmup=50, rep=300)
+    fresh_wall_s = time.perf_counter() - t0
+    warm_ms = do_bench(call, warmup=50, rep=300)
+    return dict(fresh_ms=fresh_ms, warm_ms=warm_ms, fresh_over_warm=fresh_ms / warm_ms, fresh_wall_s=fresh_wall_s,
+                routing=lik_plugins.routing_counts(), compiles=len(misses), compiled=sorted(set(misses)))
+
+
+def _table(out_dir: str, meta: dict, only: str | None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_kernels
+
+    rows = {}
+    for shape in bench_kernels.ALL_SHAPES:
+        if only and not any(part in shape.name for part in only.split(",")):
+            continue
+        with tempfile.TemporaryDirectory() as cache:
+            rows[shape.name] = _spawn(cache, ["--table-cell", shape.name])
+        print(shape.name, json.dumps(rows[shape.name]), flush=True)
+    with open(os.path.join(out_dir, "coldstart_table.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    out = [f"# Every side-by-side row from a fresh process ({meta['device']}, {meta['date']})", "",
+           f"torch {meta['torch']}, triton {meta['triton']}. Command: `{meta['command']}`", "",
+           "Each row its own process on an empty Triton cache (default settings): `do_bench` (warm-up 50 ms, "
+           "300 ms timed) of the row's lik_plugins call as the process's first call, then again in the same "
+           "process; training rows time forward + backward.", "",
+           "| row | do_bench first (ms) | do_bench again (ms) | first / again | binaries compiled | paths |",
+           "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if "error" in r:
+            out.append(f"| {name} | error: {r['error']} | | | | |")
+            continue
+        out.append(f"| {name} | {r['fresh_ms']:.3f} | {r['warm_ms']:.3f} | {r['fresh_over_warm']:.3f} | "
+                   f"{r['compiles']} | {json.dumps(r['routing'])} |")
+    with open(os.path.join(out_dir, "coldstart_table.md"), "w") as fh:
+        fh.write("\n".join(out) + "\n")
+    return 0
+
+
 def _files(cache: str) -> int:
     return sum(len(names) for _, _, names in os.walk(cache))
 
 
-def _spawn(cache: str) -> dict:
+def _spawn(cache: str, cell=("--cell",)) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--cell"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), *cell], env=env, capture_output=True,
                           text=True, timeout=300)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -87,13 +170,20 @@ def main() -> int:
     if sys.argv[1:] == ["--cell"]:
         print("RESULT " + json.dumps(_cell()), flush=True)
         return 0
+    if sys.argv[1:2] == ["--table-cell"]:
+        print("RESULT " + json.dumps(_table_cell(sys.argv[2])), flush=True)
+        return 0
     out_dir = sys.argv[1]
+    table = "--table" in sys.argv[2:]
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     os.makedirs(out_dir, exist_ok=True)
     import torch
     import triton
 
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                command="python benchmarks/coldstart.py " + out_dir, date=time.strftime("%Y-%m-%d"))
+                command="python benchmarks/coldstart.py " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"))
+    if table:
+        return _table(out_dir, meta, only)
     rows = {}
     for name in ("fresh-1", "fresh-2"):
         with tempfile.TemporaryDirectory() as cache:

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|rerank|realloop|coldstart|shipped|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|rerank|realloop|coldstart|shipped|coldtable|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   src/lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
 #   coldstart = benchmarks/coldstart.py and PyLate's real loop cold / precompiled / torch, one call;
-#   shipped = the shipped binaries against the JIT, then coldstart.py and the cold loops with them on;
+#   shipped = the shipped binaries against the JIT, then coldstart.py and the cold loops (default settings);
+#   coldtable = coldstart.py --table: every side-by-side row in a fresh process, do_bench first against again;
 #   multigpu = benchmarks/multi_gpu.py over every GPU of the machine (NCCL, multicast off; options passed on).
 # kernels = tests (GPU suite) + memcheck + bench (side-by-side); hosts = parity + e2e;
 # compressed = benchmarks/bench_compressed.py (PLAID residuals, int8, the projection head; ~2.5 min cold);
@@ -115,9 +116,13 @@ if [[ $stage == shipped ]]; then
   # PyLate's torch path beside them in the same run
   host_env
   timeout 200 python3 benchmarks/shipped_binaries_check.py "$OUT/shipped" 2>&1 | tail -6
-  LIK_SHIPPED_BINARIES=1 timeout 200 python3 benchmarks/coldstart.py "$OUT/coldstart" 2>&1 | tail -8
-  LIK_SHIPPED_BINARIES=1 timeout 280 python3 benchmarks/real_loop.py "$OUT/loops" --loops pylate,vary-colbert \
+  timeout 200 python3 benchmarks/coldstart.py "$OUT/coldstart" 2>&1 | tail -8
+  timeout 280 python3 benchmarks/real_loop.py "$OUT/loops" --loops pylate,vary-colbert \
     --impls lik_plugins,torch --steps 12 --timeout 100 "$@" 2>&1 | grep -v '^{'
+fi
+if [[ $stage == coldtable ]]; then
+  # every side-by-side row from a fresh process on an empty cache: do_bench first against again
+  timeout 400 python3 benchmarks/coldstart.py "$OUT/coldstart" --table "$@" 2>&1 | tail -20
 fi
 if [[ $stage == multigpu ]]; then
   # NVLink multicast stays off in every process (NCCL, PyTorch symmetric memory, NVSHMEM)
