@@ -141,15 +141,23 @@ def _table(out_dir: str, meta: dict, only: str | None) -> int:
            "process; training rows time forward + backward.", "",
            "| row | do_bench first (ms) | do_bench again (ms) | first / again | binaries compiled | paths |",
            "|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        if "error" in r:
-            out.append(f"| {name} | error: {r['error']} | | | | |")
-            continue
-        out.append(f"| {name} | {r['fresh_ms']:.3f} | {r['warm_ms']:.3f} | {r['fresh_over_warm']:.3f} | "
-                   f"{r['compiles']} | {json.dumps(r['routing'])} |")
+    out += _timing_rows(rows, lambda r: [str(r["compiles"]), json.dumps(r["routing"])])
     with open(os.path.join(out_dir, "coldstart_table.md"), "w") as fh:
         fh.write("\n".join(out) + "\n")
     return 0
+
+
+def _timing_rows(rows: dict, cells) -> list[str]:
+    """Markdown rows: name, do_bench first / again / their ratio, then ``cells(row)``; an errored
+    row says its error."""
+    lines = []
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error']} |")
+            continue
+        timing = [f"{r['fresh_ms']:.3f}", f"{r['warm_ms']:.3f}", f"{r['fresh_over_warm']:.3f}"]
+        lines.append("| " + " | ".join([name, *timing, *cells(r)]) + " |")
+    return lines
 
 
 def _files(cache: str) -> int:
@@ -219,12 +227,7 @@ def markdown(rows: dict, meta: dict) -> str:
            "| process | do_bench first (ms) | do_bench again (ms) | first / again | paths (routing_counts) "
            "| binaries compiled | lowmem first step: sha256 of grads |",
            "|---|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        if "error" in r:
-            out.append(f"| {name} | error: {r['error']} | | | | | |")
-            continue
-        out.append(f"| {name} | {r['fresh_ms']:.3f} | {r['warm_ms']:.3f} | {r['fresh_over_warm']:.3f} | "
-                   f"{json.dumps(r['routing'])} | {r['compiles']} | `{r['lowmem_sha256'][:16]}` |")
+    out += _timing_rows(rows, lambda r: [json.dumps(r["routing"]), str(r["compiles"]), f"`{r['lowmem_sha256'][:16]}`"])
     pre = rows.get("precompiled", {})
     if "files_before" in pre:
         out += ["", f"Precompile: {pre['precompile_s']:.1f} s (exit {pre['precompile_rc']}): "
