@@ -82,6 +82,16 @@ def _smem_bytes(block_m, block_n, block_k, stages, elem) -> int:
     return block_m * block_k * elem + stages * block_n * block_k * elem + block_m * block_n * 4
 
 
+def _doc_smem_bytes(config: dict, stages: int, d_pad: int, elem: int) -> int:
+    # lowmem grad_D: `stages` grad rows tiles [BLOCK_R, D_PAD] in flight + the [BLOCK_T, BLOCK_R] one-hot tile
+    return stages * config["BLOCK_R"] * d_pad * elem + config["BLOCK_T"] * config["BLOCK_R"] * elem
+
+
+def _smem_usable() -> int:
+    """Shared memory a config may plan for: the budget less a margin for Triton's own use."""
+    return _smem_budget() - 8 * 1024
+
+
 def _configs():
     return [
         triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
@@ -95,7 +105,7 @@ def _prune(configs, named_args, **kwargs):
     block_m = kwargs["ROWS_PER_Q"] * kwargs["QPB"]
     block_k = kwargs["BLOCK_K"]
     elem = named_args["Q"].element_size()
-    budget = _smem_budget() - 8 * 1024
+    budget = _smem_usable()
     kept = [c for c in configs if _smem_bytes(block_m, c.kwargs["BLOCK_N"], block_k, c.num_stages, elem) <= budget]
     # 8 warps only pay with a tall block (a warp needs >= 16 rows of the MMA)
     kept = [c for c in kept if c.num_warps == 4 or block_m >= 128]
@@ -172,8 +182,7 @@ def _fit_forward(config: dict, block_m: int, block_k: int, elem: int) -> dict:
     sweep to catch a miss, keep a margin: the estimate has fallen short of what a compiled
     fp32 config needed (docs/performance-notes.md, Host path)."""
     stages = config["num_stages"]
-    while stages > 1 and 1.4 * _smem_bytes(block_m, config["BLOCK_N"], block_k, stages, elem) > \
-            _smem_budget() - 8 * 1024:
+    while stages > 1 and 1.4 * _smem_bytes(block_m, config["BLOCK_N"], block_k, stages, elem) > _smem_usable():
         stages -= 1
     return {**config, "num_stages": stages}
 
@@ -182,8 +191,7 @@ def _fit_doc(config: dict, d_pad: int, elem: int) -> dict:
     """A lowmem grad_D config with fewer stages where shared memory would not hold them
     (the autotuner's prune, :func:`_doc_prune`)."""
     stages = config["num_stages"]
-    while stages > 1 and stages * config["BLOCK_R"] * d_pad * elem + config["BLOCK_T"] * config["BLOCK_R"] * elem > \
-            _smem_budget() - 8 * 1024:
+    while stages > 1 and _doc_smem_bytes(config, stages, d_pad, elem) > _smem_usable():
         stages -= 1
     return {**config, "num_stages": stages}
 
@@ -312,12 +320,12 @@ def _doc_configs():
 def _doc_prune(configs, named_args, **kwargs):
     d_pad = kwargs["D_PAD"]
     elem = 4 if kwargs["F32_DOT"] else named_args["Q"].element_size()
-    budget = _smem_budget() - 8 * 1024
+    budget = _smem_usable()
     kept = [
         c for c in configs
         # fp32 accumulator [BLOCK_T, D_PAD] must stay in registers
         if c.kwargs["BLOCK_T"] * d_pad <= 128 * 128
-        and c.num_stages * c.kwargs["BLOCK_R"] * d_pad * elem + c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_R"] * elem <= budget
+        and _doc_smem_bytes(c.kwargs, c.num_stages, d_pad, elem) <= budget
         and (c.num_warps == 4 or c.kwargs["BLOCK_T"] >= 64)
     ]
     return kept or [triton.Config({"BLOCK_T": 16, "BLOCK_R": 16}, num_warps=4, num_stages=1)]
