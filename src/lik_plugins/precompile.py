@@ -139,9 +139,6 @@ WORKLOADS = {"pylate": _pylate, "colpali": _colpali, "sentence_transformers": _s
 
 
 # ----------------------------------------------------------------------------- the target
-
-
-
 def _facts(arch: str) -> tuple[int, int]:
     """(SMs, shared memory per block) the launchers plan with for ``arch``: the device's own
     where it is that architecture, else the table's."""
