@@ -36,11 +36,10 @@ import time
 BATCH, LQ, LD, DIM = 256, 32, 180, 128
 
 
-def _cell() -> dict:
-    import torch
-    import torch.nn.functional as F
+def _compiles_seen() -> list:
+    """The names of the kernels Triton compiles from here on in this process (its compile
+    listener: cache misses), appended as they happen."""
     import triton
-    from triton.testing import do_bench
 
     misses: list = []
 
@@ -49,6 +48,15 @@ def _cell() -> dict:
             misses.append(getattr(src, "name", str(src)))
 
     triton.knobs.compilation.listener = listen
+    return misses
+
+
+def _cell() -> dict:
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    misses = _compiles_seen()
     import lik_plugins
 
     g = torch.Generator().manual_seed(0)
@@ -78,16 +86,9 @@ def _cell() -> dict:
 def _table_cell(name: str) -> dict:
     """One side-by-side row, fresh: do_bench first, then again (``--table``)."""
     import torch
-    import triton
     from triton.testing import do_bench
 
-    misses: list = []
-
-    def listen(*, src, metadata, metadata_group, times, cache_hit):
-        if not cache_hit:
-            misses.append(getattr(src, "name", str(src)))
-
-    triton.knobs.compilation.listener = listen
+    misses = _compiles_seen()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_kernels
     import lik_plugins
