@@ -66,8 +66,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     cdt = _compute_dtype(Q.dtype)
     rq = inverse_norms(Q) if normalize else None
     rd = inverse_norms(D) if normalize else None
-    out_dtype = torch.float64 if cdt == torch.float64 else torch.float32
-    scores = torch.empty((nq, nj), dtype=out_dtype, device=Q.device)
+    scores = torch.empty((nq, nj), dtype=cdt, device=Q.device)
     argmax = torch.empty((nq, nj, lq), dtype=argmax_dtype(ld), device=Q.device) if save_argmax else None
 
     if cross:
@@ -83,7 +82,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
                 sim = torch.einsum("ash,bth->abst", qc, dc)
                 dv = None if d_mask is None else d_mask[ds].unsqueeze(0).expand(sim.shape[0], -1, -1)
                 values, winner = _reduce_rows(sim, qv, dv, zero_mode)
-                scores[qs, ds] = values.sum(-1).to(out_dtype)
+                scores[qs, ds] = values.sum(-1)
                 if argmax is not None:
                     argmax[qs, ds] = winner
     else:
@@ -96,7 +95,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
             qv = None if q_mask is None else q_mask[qs]
             dv = None if d_mask is None else d_mask[qs]
             values, winner = _reduce_rows(sim, qv, dv, zero_mode)
-            scores[qs] = values.sum(-1).to(out_dtype)
+            scores[qs] = values.sum(-1)
             if argmax is not None:
                 argmax[qs] = winner
     return scores, argmax
@@ -226,8 +225,7 @@ def forward_built(Q, build, n_docs, ld, d_mask, *, normalize_docs, normalize_que
     ``normalize_queries`` (the residual ops normalise both sides, the projection head the
     documents only).  Returns (scores, argmax or None)."""
     nq, lq, dim = Q.shape
-    out_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
-    scores = torch.empty((nq, n_docs), dtype=out_dtype, device=Q.device)
+    scores = torch.empty((nq, n_docs), dtype=_compute_dtype(Q.dtype), device=Q.device)
     argmax = torch.empty((nq, n_docs, lq), dtype=argmax_dtype(ld), device=Q.device) if save_argmax else None
     doc_dtype = Q.dtype
     if normalize_queries:
@@ -269,7 +267,7 @@ def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize_queries, need_q,
     normalised ``Q`` (its Jacobian is applied here).  Returns ``(grad_Q or None,
     grad_rows_hat [U, d] or None)``: the gradient at each distinct winning token."""
     nq, lq, dim = Q.shape
-    cdt = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    cdt = _compute_dtype(Q.dtype)
     rq = inverse_norms(Q) if normalize_queries else None
     gq = torch.zeros((nq, lq, dim), dtype=cdt, device=Q.device) if need_q else None
     g_rows = torch.zeros((rows_hat.shape[0], dim), dtype=cdt, device=Q.device) if need_rows else None
@@ -287,12 +285,7 @@ def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize_queries, need_q,
             qh = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
             contrib = (weight.unsqueeze(-1) * qh.unsqueeze(1)).masked_fill(~ok[qs].unsqueeze(-1), 0)
             g_rows.index_add_(0, inv.reshape(-1), contrib.reshape(-1, dim))
-    grad_q = None
-    if need_q:
-        if normalize_queries:
-            gq = project_out_norm(gq, Q.to(cdt), rq.to(cdt))
-        grad_q = gq.to(Q.dtype)
-    return grad_q, g_rows
+    return _finish(gq, Q, rq, normalize_queries), g_rows
 
 
 # --------------------------------------------------------------------------- packed layouts
@@ -361,7 +354,6 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     ``[Nq, Nd]``, winners ``[Nq, Nd, max_q]``) or ``(pair_q, pair_d)`` (scores ``[P]``,
     winners ``[P, max_q]``).  Winners index the document's own tokens (-1: none)."""
     cdt = _compute_dtype(Q.dtype)
-    out_dtype = torch.float64 if cdt == torch.float64 else torch.float32
     rq = inverse_norms(Q) if normalize else None
     rd = inverse_norms(D) if normalize else None
     nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
@@ -370,7 +362,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     if pairs is not None:
         pair_q, pair_d = pairs[0].long(), pairs[1].long()
         n_pairs = pair_q.shape[0]
-        scores = torch.empty((n_pairs,), dtype=out_dtype, device=device)
+        scores = torch.empty((n_pairs,), dtype=cdt, device=device)
         argmax = torch.empty((n_pairs, max_q), dtype=arg_dtype, device=device) if save_argmax else None
         step = _rows_per_chunk(max(max_q, 1) * max(max_d, 1), n_pairs)
         for p0 in range(0, n_pairs, step):
@@ -391,12 +383,12 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
                                     zero_mode) for q, a, b in runs]
                 values = torch.cat([v for v, _ in parts])
                 winner = torch.cat([w for _, w in parts])
-            scores[ps] = values.sum(-1).to(out_dtype)
+            scores[ps] = values.sum(-1)
             if argmax is not None:
                 argmax[ps] = winner
         return scores, argmax
 
-    scores = torch.empty((nq, nd), dtype=out_dtype, device=device)
+    scores = torch.empty((nq, nd), dtype=cdt, device=device)
     argmax = torch.empty((nq, nd, max_q), dtype=arg_dtype, device=device) if save_argmax else None
     per_doc = max(max_q, 1) * max(max_d, 1)
     cd = _rows_per_chunk(per_doc, nd)
@@ -413,7 +405,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
             a = sim.shape[0]
             values, winner = _reduce_rows(sim, qv, dv.unsqueeze(0).expand(a, -1, -1), zero_mode,
                                           dp.unsqueeze(0).expand(a, -1, -1))
-            scores[qs, ds] = values.sum(-1).to(out_dtype)
+            scores[qs, ds] = values.sum(-1)
             if argmax is not None:
                 argmax[qs, ds] = winner
     return scores, argmax

@@ -326,10 +326,10 @@ def maxsim_varlen(Q_packed: torch.Tensor, D_packed: torch.Tensor, cu_seqlens_q: 
     tokens scores 0, and padding never exists to take part in a max)."""
     qs, ds, qms, dms = _unpacked(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d, q_mask, d_mask)
     rows = [torch.stack([_packed_pair(q, d, qm, dm, normalize, mask_mode) for d, dm in zip(ds, dms)])
-            if ds else _empty_scores(Q_packed, D_packed, 0)
+            if ds else _empty_scores(Q_packed, D_packed)
             for q, qm in zip(qs, qms)]
     if not rows:
-        return _empty_scores(Q_packed, D_packed, 0).reshape(0, len(ds))
+        return _empty_scores(Q_packed, D_packed).reshape(0, len(ds))
     return torch.stack(rows)
 
 
@@ -342,12 +342,12 @@ def score_pairs_packed(Q_packed: torch.Tensor, D_packed: torch.Tensor, cu_seqlen
     qs, ds, qms, dms = _unpacked(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d, q_mask, d_mask)
     scores = [_packed_pair(qs[i], ds[j], qms[i], dms[j], normalize, mask_mode)
               for i, j in zip(pair_q_idx.tolist(), pair_d_idx.tolist())]
-    return torch.stack(scores) if scores else _empty_scores(Q_packed, D_packed, 0)
+    return torch.stack(scores) if scores else _empty_scores(Q_packed, D_packed)
 
 
-def _empty_scores(Q: torch.Tensor, D: torch.Tensor, n: int) -> torch.Tensor:
-    # zero scores that stay on the autograd graph of both inputs
-    return (Q.sum() + D.sum()).mul(0).expand(n).clone() if n else (Q.sum() + D.sum()).mul(0).reshape(1)[:0]
+def _empty_scores(Q: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    # no scores, but on the autograd graph of both inputs
+    return (Q.sum() + D.sum()).mul(0).reshape(1)[:0]
 
 
 def maxsim_padded(
