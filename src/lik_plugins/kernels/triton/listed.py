@@ -215,6 +215,7 @@ class Table(NamedTuple):
     hold: object              # a staged table's candidates and chunks
 
 
+@paused_gc()
 def candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torch.device,
                     extra: list[int] = ()) -> Table | str:
     """The address table of ``candidates`` (``[Ld_i, dim]`` tensors of ``dtype``) on ``device``,
@@ -228,13 +229,6 @@ def candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torc
     ``device`` are staged: :func:`score_table` copies them chunk by chunk through two pinned
     host buffers and two device buffers of :data:`STAGE_BYTES` each (bounded memory, the
     host's copying overlapped with the device's) and scores each chunk where it landed."""
-    with paused_gc():
-        return _candidate_table(candidates, dtype, dim, device, extra)
-
-
-def _candidate_table(candidates: list, dtype: torch.dtype, dim: int, device: torch.device,
-                     extra: list[int] = ()) -> Table | str:
-    """The work of :func:`candidate_table`."""
     tensor = torch.Tensor
     if set(map(type, candidates)) != {tensor} or set(map(_DTYPE, candidates)) != {dtype}:
         return f"candidates must be [Ld, {dim}] tensors of {dtype}"
