@@ -95,10 +95,24 @@ class PatchLedger:
         become their values (a scorer bound as a default argument at import time)."""
         defaults = function.__defaults__
         if defaults and any(hashable_in(d, table) for d in defaults):
-            self.set_defaults(function, tuple(table[d] if hashable_in(d, table) else d for d in defaults))
+            self._set_defaults(function, "__defaults__",
+                               tuple(table[d] if hashable_in(d, table) else d for d in defaults))
         kwdefaults = function.__kwdefaults__
         if kwdefaults and any(hashable_in(v, table) for v in kwdefaults.values()):
-            self.set_kwdefaults(function, {k: table[v] if hashable_in(v, table) else v for k, v in kwdefaults.items()})
+            self._set_defaults(function, "__kwdefaults__",
+                               {k: table[v] if hashable_in(v, table) else v for k, v in kwdefaults.items()})
+
+    def replace_module_defaults(self, module: Any, table: dict, owns: Callable[[Any], bool] = lambda f: True) -> None:
+        """:meth:`replace_defaults` of every function ``module`` defines and of its classes'
+        methods (those ``owns`` accepts), each function once."""
+        for value in list(vars(module).values()):
+            if getattr(value, "__module__", None) != module.__name__:
+                continue
+            members = list(vars(value).values()) if isinstance(value, type) else [value] if callable(value) else []
+            for member in members:
+                function = getattr(member, "__func__", member)
+                if hasattr(function, "__defaults__") and owns(function) and not self.changed(function, "__defaults__"):
+                    self.replace_defaults(function, table)
 
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         """``setattr(owner, name, value)``, keeping the raw original from ``owner.__dict__``.
@@ -121,26 +135,12 @@ class PatchLedger:
         setattr(owner, name, value)
         self.changes.append(_Change(owner, name, original, restore))
 
-    def set_defaults(self, function: Any, defaults: tuple | None) -> None:
-        """Replace a function's positional defaults (``__defaults__``), e.g. a scoring
-        function bound as a default argument at import time."""
-        original = function.__defaults__
-
-        def restore() -> None:
-            function.__defaults__ = original
-
-        function.__defaults__ = defaults
-        self.changes.append(_Change(function, "__defaults__", original, restore))
-
-    def set_kwdefaults(self, function: Any, kwdefaults: dict | None) -> None:
-        """Replace a function's keyword-only defaults (``__kwdefaults__``)."""
-        original = None if function.__kwdefaults__ is None else dict(function.__kwdefaults__)
-
-        def restore() -> None:
-            function.__kwdefaults__ = original
-
-        function.__kwdefaults__ = kwdefaults
-        self.changes.append(_Change(function, "__kwdefaults__", original, restore))
+    def _set_defaults(self, function: Any, slot: str, value: tuple | dict) -> None:
+        """Replace a function's ``__defaults__`` or ``__kwdefaults__``, keeping a copy of the original."""
+        original = getattr(function, slot)
+        original = dict(original) if isinstance(original, dict) else original
+        setattr(function, slot, value)
+        self.changes.append(_Change(function, slot, original, lambda: setattr(function, slot, original)))
 
     def original(self, owner: Any, name: str, default: Any = _MISSING) -> Any:
         """The value that was there before the first change of ``owner.name``."""

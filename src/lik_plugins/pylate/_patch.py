@@ -61,12 +61,6 @@ def _defined_in_pylate(obj: Any) -> bool:
     return str(getattr(obj, "__module__", "") or "").startswith("pylate")
 
 
-def _rewrite_defaults(func: Any, to_adapter: dict) -> None:
-    func = getattr(func, "__func__", func)
-    if hasattr(func, "__defaults__") and _defined_in_pylate(func):
-        _ledger.replace_defaults(func, to_adapter)
-
-
 def _apply(layout: layout_mod.PyLateLayout) -> None:
     served = _lookalikes(layout)
     names = (*layout_mod.FUNCTIONS, *(n for n in layout_mod.LOOPS if n in layout.originals))
@@ -77,15 +71,7 @@ def _apply(layout: layout_mod.PyLateLayout) -> None:
         # 1. module globals (found by identity: covers re-exports in every release)
         _ledger.replace_globals(module, to_adapter)
         # 2. default arguments bound at import time
-        for value in list(vars(module).values()):
-            if not _defined_in_pylate(value) or getattr(value, "__module__", None) != module.__name__:
-                continue
-            if isinstance(value, type):
-                for member in list(vars(value).values()):
-                    if not _ledger.changed(getattr(member, "__func__", member), "__defaults__"):
-                        _rewrite_defaults(member, to_adapter)
-            elif callable(value) and not _ledger.changed(value, "__defaults__"):
-                _rewrite_defaults(value, to_adapter)
+        _ledger.replace_module_defaults(module, to_adapter, owns=_defined_in_pylate)
 
     # 3. instance slots of objects built before the patch
     for module_name, class_name, attr in layout_mod.INSTANCE_SLOTS:

@@ -92,12 +92,6 @@ def _st_modules() -> list:
     ]
 
 
-def _rewrite_defaults(func: Any, to_adapter: dict) -> None:
-    func = getattr(func, "__func__", func)
-    if hasattr(func, "__defaults__") and not _ledger.changed(func, "__defaults__"):
-        _ledger.replace_defaults(func, to_adapter)
-
-
 def _instance_slots() -> list[tuple[type, str]]:
     slots = []
     model = getattr(sys.modules.get(MODEL), "MultiVectorEncoder", None)
@@ -119,14 +113,7 @@ def _apply(layout: STLayout, served: dict) -> None:
         # 1. module globals, found by identity (re-exports, the losses' imports)
         _ledger.replace_globals(module, to_adapter)
         # 2. defaults bound at definition time (none in 6.0 - 6.2; a later 6.x may add some)
-        for value in list(vars(module).values()):
-            if getattr(value, "__module__", None) != module.__name__:
-                continue
-            if isinstance(value, type):
-                for member in list(vars(value).values()):
-                    _rewrite_defaults(member, to_adapter)
-            elif callable(value):
-                _rewrite_defaults(value, to_adapter)
+        _ledger.replace_module_defaults(module, to_adapter)
     # 3. instances built before the patch: losses' similarity_fct, models' resolved similarity
     for cls, attr in _instance_slots():
         if _ledger.changed(cls, attr) or isinstance(vars(cls).get(attr), property):
