@@ -111,8 +111,6 @@ def _lik_slots(backend_module):
     ops serve, CPU included, whether or not late-interaction-kernels is installed, and
     raise ``LIKUnsupportedError`` (silent fallback under ``auto``) where we do not."""
     unsupported = backend_module.LIKUnsupportedError
-    orig_inbatch = backend_module.maxsim_inbatch_lik
-    orig_kd = backend_module.maxsim_kd_lik
 
     def _check(query, doc, doc_dim):
         if not (torch.is_tensor(query) and torch.is_tensor(doc) and query.dim() == 3 and doc.dim() == doc_dim):
@@ -139,8 +137,8 @@ def _lik_slots(backend_module):
 
         return slot
 
-    return (_slot(orig_inbatch, "maxsim_inbatch_lik", 3, "inbatch"),
-            _slot(orig_kd, "maxsim_kd_lik", 4, "candidates"))
+    return (_slot(backend_module.maxsim_inbatch_lik, "maxsim_inbatch_lik", 3, "inbatch"),
+            _slot(backend_module.maxsim_kd_lik, "maxsim_kd_lik", 4, "candidates"))
 
 
 def _score_multi_vector_for(processing, original):
@@ -150,21 +148,18 @@ def _score_multi_vector_for(processing, original):
 
     @functools.wraps(original)
     def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
-        if sc.use_original():
-            record("colpali.score_multi_vector", "original")
-            return original(qs, ps, batch_size, device)
-        device = device or processing.get_torch_device("auto")
-        if len(qs) == 0:
-            raise ValueError("No queries provided")
-        if len(ps) == 0:
-            raise ValueError("No passages provided")
-        queries, passages = list(qs), list(ps)
-        items = queries + passages
-        if not (all(torch.is_tensor(x) and x.dim() == 2 and x.shape[0] > 0 for x in items) and sc.eligible(*items)) \
-                or not isinstance(batch_size, int) or batch_size <= 0:
-            record("colpali.score_multi_vector", "original")
-            return original(qs, ps, batch_size, device)
-        served = sc.multi_vector_lists(queries, passages, batch_size, device)
+        served = None
+        if not sc.use_original():
+            device = device or processing.get_torch_device("auto")
+            if len(qs) == 0:
+                raise ValueError("No queries provided")
+            if len(ps) == 0:
+                raise ValueError("No passages provided")
+            queries, passages = list(qs), list(ps)
+            items = queries + passages
+            if all(torch.is_tensor(x) and x.dim() == 2 and x.shape[0] > 0 for x in items) and sc.eligible(*items) \
+                    and isinstance(batch_size, int) and batch_size > 0:
+                served = sc.multi_vector_lists(queries, passages, batch_size, device)
         if served is None:
             record("colpali.score_multi_vector", "original")
             return original(qs, ps, batch_size, device)
