@@ -150,19 +150,21 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
                              default=_default_forward(rows_per_q * qpb, block_k, d_pad, dtype))
     if config is not None:
         return maxsim_fwd_kernel, {"BLOCK_K": block_k, **config}, None
+    return _tuned_forward, {"BLOCK_K": block_k}, _remembering(_tuned_forward, key)
 
+
+def _remembering(tuned, key: tuple):
+    """The after-launch callback of a sweep: records the config ``tuned`` settled on for ``key``."""
     def remember():
-        best = _tuned_forward.best_config
+        best = tuned.best_config
         _chosen[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
 
-    return _tuned_forward, {"BLOCK_K": block_k}, remember
+    return remember
 
 
 def _default_forward(block_m: int, block_k: int, d_pad: int, dtype) -> dict:
     """The config for a key the table lacks: the table's most common pick for 16-bit
     ColBERT shapes, with fewer stages where shared memory would not hold them."""
-    # the MMA's operand: the documents' dtype (fp8 against float queries), but for documents
-    # built in the kernel (residual, projection head: (Q, D, kind, ...) keys) Q's dtype
     elem = _operand_bytes(dtype)
     block_n = 64 if d_pad <= 256 and elem <= 2 else 32
     config = {"BLOCK_N": block_n, "num_warps": 8 if block_m >= 256 else 4, "num_stages": 3}
@@ -344,8 +346,8 @@ def doc_kernel_and_meta(*, d_pad, n_programs_at_64, cross, f32_dot, normalize, w
     """lowmem grad_D kernel, its meta-parameters and an after-launch callback, as
     :func:`forward_kernel_and_meta`.  The grid depends on BLOCK_T, so callers pass a grid
     function of the meta-parameters."""
+    block_t = 64 if d_pad <= 128 else (32 if d_pad <= 256 else 16)
     if interpreting() or n_programs_at_64 < SMALL_LAUNCH_PROGRAMS:
-        block_t = 64 if d_pad <= 128 else (32 if d_pad <= 256 else 16)
         meta = {"BLOCK_T": block_t, "BLOCK_R": 32 if d_pad <= 256 else 16}
         if not interpreting():
             meta.update(num_warps=4, num_stages=2)
@@ -354,14 +356,8 @@ def doc_kernel_and_meta(*, d_pad, n_programs_at_64, cross, f32_dot, normalize, w
            bool(compact), dtype)
     config = _chosen.get(key)
     if config is None:
-        block_t = 64 if d_pad <= 128 else (32 if d_pad <= 256 else 16)
         config = _from_table("doc", key, size_at=None, default={
             "BLOCK_T": block_t, "BLOCK_R": 64 if d_pad <= 128 else 32, "num_warps": 4, "num_stages": 2})
     if config is not None:
         return maxsim_bwd_doc_kernel, dict(config), None
-
-    def remember():
-        best = _tuned_doc.best_config
-        _chosen[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
-
-    return _tuned_doc, {}, remember
+    return _tuned_doc, {}, _remembering(_tuned_doc, key)
