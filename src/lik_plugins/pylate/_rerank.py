@@ -61,11 +61,8 @@ def rerank(documents_ids, queries_embeddings, documents_embeddings, device=None)
     layout = _scores._layout
     original = layout.originals["rerank"]
     args = (documents_ids, queries_embeddings, documents_embeddings, device)
-    if not _scores._active or disabled():
-        record(ENTRY, "original")
-        return original(*args)
-    choice = _scores.requested_backend(None)
-    if choice in ("torch", "flash"):
+    choice = None if not _scores._active or disabled() else _scores.requested_backend(None)
+    if choice in (None, "torch", "flash"):        # not patched, switched off, or PyLate's own backend asked for
         record(ENTRY, "original")
         return original(*args)
     plan = _prepare(layout, *args)

@@ -21,6 +21,7 @@ backend (late-interaction-kernels) or PyLate's own error.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
@@ -107,9 +108,7 @@ def _dispatch(entry: str, name: str, args: tuple, backend: str | None, prepare: 
     layout = _layout
     if original is None:
         original = layout.originals[name]
-    if getattr(host_loop, "active", False):
-        return _call_unpatched(entry, original, args, backend)
-    if not _active or disabled():
+    if getattr(host_loop, "active", False) or not _active or disabled():
         return _call_unpatched(entry, original, args, backend)
     choice = requested_backend(backend)
     if choice in ("torch", "flash"):
@@ -138,10 +137,7 @@ def _as_tensor(x: Any) -> torch.Tensor:
 
 def _out_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """Type promotion of PyLate's ``einsum(Q, D) * q_mask * d_mask``."""
-    out = dtypes[0]
-    for dtype in dtypes[1:]:
-        out = torch.promote_types(out, dtype)
-    return out
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 def _check_embeddings(Q: torch.Tensor, D: torch.Tensor, d_dim: int) -> str | None:
