@@ -260,35 +260,28 @@ def _fold(name: str, pairwise: bool) -> Callable:
     entry = f"sentence_transformers.{name}"
 
     def run(*args, **kwargs):
-        original = _originals[name]
-        if not _serving():
-            record(entry, "original")
-            return original(*args, **kwargs)
-        try:
-            bound = _signatures[name].bind(*args, **kwargs)
-        except TypeError:
-            record(entry, "original")
-            return original(*args, **kwargs)  # ST's own error
-        bound.apply_defaults()
-        params = dict(bound.arguments)
-        convert = _similarity_module._convert_to_tensor
-        try:
-            Q = convert(params.pop("queries_embeddings"))
-            D = convert(params.pop("documents_embeddings"))
-            q_mask = params.pop("queries_mask", None)
-            d_mask = params.pop("documents_mask", None)
-            q_mask = None if q_mask is None else convert(q_mask)
-            d_mask = None if d_mask is None else convert(d_mask)
-        except Exception:  # noqa: BLE001 -- ST raises its own error for these
-            record(entry, "original")
-            return original(*args, **kwargs)
+        Q = None
+        if _serving():
+            try:
+                bound = _signatures[name].bind(*args, **kwargs)
+                bound.apply_defaults()
+                params = dict(bound.arguments)
+                convert = _similarity_module._convert_to_tensor
+                Q = convert(params.pop("queries_embeddings"))
+                D = convert(params.pop("documents_embeddings"))
+                q_mask = params.pop("queries_mask", None)
+                d_mask = params.pop("documents_mask", None)
+                q_mask = None if q_mask is None else convert(q_mask)
+                d_mask = None if d_mask is None else convert(d_mask)
+            except Exception:  # noqa: BLE001 -- a bad call or input: ST raises its own error below
+                Q = None
         if (
-            not isinstance(D, torch.Tensor) or D.dim() != 4 or not isinstance(Q, torch.Tensor) or Q.dim() != 3
+            not isinstance(Q, torch.Tensor) or Q.dim() != 3 or not isinstance(D, torch.Tensor) or D.dim() != 4
             or (d_mask is not None and tuple(d_mask.shape) != tuple(D.shape[:3]))
             or (pairwise and (D.shape[0] != Q.shape[0] or (q_mask is not None and q_mask.shape[0] != Q.shape[0])))
         ):
             record(entry, "original")
-            return original(*args, **kwargs)
+            return _originals[name](*args, **kwargs)
         groups, n, length, dim = D.shape
         folded = D.reshape(groups * n, length, dim)
         folded_mask = None if d_mask is None else d_mask.reshape(groups * n, length)
