@@ -120,9 +120,6 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return values.to(dtype) * scales.to(dtype).unsqueeze(-1)
 
 
-dequantize_fp8 = dequantize_int8 = dequantize
-
-
 def maxsim_dequantised(
     Q: tuple[torch.Tensor, torch.Tensor],
     D: tuple[torch.Tensor, torch.Tensor],
@@ -221,8 +218,9 @@ def decompress_residual(codes: torch.Tensor, residuals: torch.Tensor, centroids:
 
 
 def lengths_mask(doc_lengths: torch.Tensor, ld: int) -> torch.Tensor:
-    """``[Nd, Ld]`` bool: token ``t`` of document ``j`` is valid when ``t < doc_lengths[j]``."""
-    return torch.arange(ld, device=doc_lengths.device)[None, :] < doc_lengths.to(torch.long)[:, None]
+    """``[..., Ld]`` bool of lengths ``[...]``: token ``t`` of sequence ``j`` is valid when
+    ``t < doc_lengths[j]``."""
+    return torch.arange(ld, device=doc_lengths.device) < doc_lengths.to(torch.long).unsqueeze(-1)
 
 
 def maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits, *, normalize=True):
@@ -361,7 +359,5 @@ def maxsim_padded(
     """Reference of :func:`lik_plugins.maxsim_padded`: ``[B, Lq, d]`` queries, each with
     its own ``[C, Ld, d]`` candidates; only the first ``query_lengths[b]`` /
     ``doc_lengths[b, c]`` tokens exist (the rest never take part)."""
-    lq, ld = queries.shape[1], documents.shape[2]
-    q_mask = torch.arange(lq, device=queries.device) < query_lengths.unsqueeze(-1)
-    d_mask = torch.arange(ld, device=documents.device) < doc_lengths.unsqueeze(-1)
+    q_mask, d_mask = lengths_mask(query_lengths, queries.shape[1]), lengths_mask(doc_lengths, documents.shape[2])
     return maxsim(queries, documents, q_mask, d_mask, normalize=normalize, mask_mode="exclude")

@@ -36,18 +36,18 @@ def maxsim_fp8(Q, q_scales, d_values, d_scales, q_mask, d_mask, *, zero_mode: bo
     """fp8 scores without fp8 matrix units: the same numbers from the dequantised tokens on
     the bounded-memory path (it materialises fp32 tokens, 4x the fp8 bytes).  A float ``Q``
     (``q_scales`` None) is quantised first."""
-    if q_scales is None:
-        Q, q_scales = quantize_fp8(Q)
-    return chunked.forward(reference.dequantize_fp8(Q, q_scales), reference.dequantize_fp8(d_values, d_scales),
-                           q_mask, d_mask, cross=d_values.dim() == 3, normalize=False, zero_mode=zero_mode,
-                           save_argmax=False)[0]
+    return _dequantised_scores(quantize_fp8, Q, q_scales, d_values, d_scales, q_mask, d_mask, zero_mode)
 
 
 def maxsim_int8(Q, q_scales, d_values, d_scales, q_mask, d_mask, *, zero_mode: bool) -> torch.Tensor:
     """int8 scores without the int8 kernel: the same numbers from the dequantised tokens."""
+    return _dequantised_scores(reference.quantize_int8, Q, q_scales, d_values, d_scales, q_mask, d_mask, zero_mode)
+
+
+def _dequantised_scores(quantize, Q, q_scales, d_values, d_scales, q_mask, d_mask, zero_mode: bool) -> torch.Tensor:
     if q_scales is None:
-        Q, q_scales = reference.quantize_int8(Q)
-    return chunked.forward(reference.dequantize_int8(Q, q_scales), reference.dequantize_int8(d_values, d_scales),
+        Q, q_scales = quantize(Q)
+    return chunked.forward(reference.dequantize(Q, q_scales), reference.dequantize(d_values, d_scales),
                            q_mask, d_mask, cross=d_values.dim() == 3, normalize=False, zero_mode=zero_mode,
                            save_argmax=False)[0]
 
@@ -96,18 +96,14 @@ def residual_varlen(Q, codes_flat, residuals_flat, cu_d, centroids, bucket_weigh
 def plaid_approx_score(scores: torch.Tensor, codes: torch.Tensor, doc_lengths: torch.Tensor) -> torch.Tensor:
     """``[B]`` fp32 ``sum_s max_{t < len} S[codes[b, t], s]`` from fp32 ``S [C, Lq]``, a
     bounded chunk of documents at a time (a gather and a max)."""
-    d_mask = reference.lengths_mask(doc_lengths, codes.shape[1])
     n, ld = codes.shape
     out = torch.empty((n,), dtype=torch.float32, device=codes.device)
     step = max(1, min(max(n, 1), chunk_elements() // max(ld * scores.shape[1], 1)))
     for start in range(0, n, step):
-        m = d_mask[start:start + step]
+        chunk = slice(start, start + step)
         # padding may hold any code (as maxsim_residual allows): look up centroid 0 there
-        c = torch.where(m, codes[start:start + step], 0).long()
-        sim = scores[c]                                                        # [b, Ld, Lq]
-        best = sim.masked_fill(~m.unsqueeze(-1), float("-inf")).amax(1)
-        best = torch.where(m.any(1, keepdim=True), best, torch.zeros_like(best))
-        out[start:start + step] = best.sum(-1)
+        valid_codes = torch.where(reference.lengths_mask(doc_lengths[chunk], ld), codes[chunk], 0)
+        out[chunk] = reference.plaid_approx_score(scores, valid_codes, doc_lengths[chunk])
     return out
 
 

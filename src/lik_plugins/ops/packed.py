@@ -29,6 +29,7 @@ Offsets (the rule every packed op applies):
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -234,13 +235,9 @@ def maxsim_padded(queries: torch.Tensor, documents: torch.Tensor, query_lengths:
                         lambda name=name, lengths=lengths, bound=bound: lengths_problems(name, lengths, bound),
                         f"{name} must lie in [0, {bound}]")],
                       host_read_needed=False)
-    return score("maxsim_padded", queries, documents, _prefix_mask(query_lengths, lq), _prefix_mask(doc_lengths, ld),
-                 CANDIDATES, normalize=normalize, backward="auto", mask_mode="exclude")
-
-
-def _prefix_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:
-    """``[..., size]`` bool: position ``t`` of entry ``i`` is valid when ``t < lengths[i]``."""
-    return torch.arange(size, device=lengths.device) < lengths.unsqueeze(-1)
+    return score("maxsim_padded", queries, documents, reference.lengths_mask(query_lengths, lq),
+                 reference.lengths_mask(doc_lengths, ld), CANDIDATES, normalize=normalize, backward="auto",
+                 mask_mode="exclude")
 
 
 def pack(sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -270,10 +267,7 @@ def pack(sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
             raise ValueError(f"pack: sequence {i} is [{x.shape[1]}] {x.dtype} on {x.device}, sequence 0 is "
                              f"[{first.shape[1]}] {first.dtype} on {first.device}")
     lengths = [x.shape[0] for x in sequences]
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    cu = torch.tensor(offsets, dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     return torch.cat(sequences), cu.to(first.device), max(lengths)
 
 
