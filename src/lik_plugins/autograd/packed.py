@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from ..kernels.common import argmax_dtype
+from ..kernels.common import accumulation_dtype, argmax_dtype
 from ..kernels.dispatch import serve
-from .registry import grads_fake, no_tensor, or_empty, registered, score_dtype
+from .registry import grads_fake, no_tensor, or_empty, registered
 
 __all__ = ["maxsim_varlen"]
 
@@ -33,7 +33,7 @@ def _forward_fake(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d
     else:
         shape = (cu_q.shape[0] - 1, cu_d.shape[0] - 1)
         arg_shape = (*shape, max_q)
-    scores = Q.new_empty(shape, dtype=score_dtype(Q))
+    scores = Q.new_empty(shape, dtype=accumulation_dtype(Q.dtype))
     if not save_argmax:
         return scores, no_tensor(Q, torch.int16)
     return scores, Q.new_empty(arg_shape, dtype=argmax_dtype(max_d))

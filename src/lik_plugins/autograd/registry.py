@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.common import argmax_dtype
+from ..kernels.common import accumulation_dtype, argmax_dtype
 
 # Layouts, passed to the ops as ints (a custom op's schema takes int, not an enum).
 CROSS, CANDIDATES, PAIRS = 0, 1, 2
@@ -69,10 +69,6 @@ def or_empty(result, like: torch.Tensor, dtype: torch.dtype | None = None) -> to
     return result if result is not None else no_tensor(like, dtype)
 
 
-def score_dtype(Q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if Q.dtype == torch.float64 else torch.float32
-
-
 def shape_of_scores(Q, D, layout):
     """(score shape, documents per query, Ld) of a MaxSim call."""
     if layout == CROSS:
@@ -85,7 +81,7 @@ def shape_of_scores(Q, D, layout):
 def scores_fake(Q, shape, n_docs: int, ld: int, save_argmax: bool):
     """``(scores, winners)`` as a scoring forward returns them: ``[Nq, n_docs, Lq]`` winners
     of the dtype every path writes (empty without ``save_argmax``)."""
-    scores = Q.new_empty(shape, dtype=score_dtype(Q))
+    scores = Q.new_empty(shape, dtype=accumulation_dtype(Q.dtype))
     if not save_argmax:
         return scores, no_tensor(Q, torch.int16)
     return scores, Q.new_empty((Q.shape[0], n_docs, Q.shape[1]), dtype=argmax_dtype(ld))

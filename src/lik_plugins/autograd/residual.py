@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dispatch import serve
-from .registry import or_empty, registered, scores_fake, score_dtype
+from ..kernels.common import accumulation_dtype
+from .registry import or_empty, registered, scores_fake
 
 __all__ = ["maxsim_residual", "maxsim_residual_varlen", "plaid_approx_score"]
 
@@ -80,7 +81,7 @@ def maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights,
 
 
 def _varlen_fake(Q, codes_flat, residuals_flat, cu_d, centroids, bucket_weights, nbits, max_d, normalize, entry):
-    return Q.new_empty((Q.shape[0], cu_d.shape[0] - 1), dtype=score_dtype(Q))
+    return Q.new_empty((Q.shape[0], cu_d.shape[0] - 1), dtype=accumulation_dtype(Q.dtype))
 
 
 @registered("maxsim_residual_varlen", _varlen_fake)

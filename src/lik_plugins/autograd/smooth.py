@@ -9,14 +9,15 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dispatch import serve
-from .registry import CROSS, PAIRS, grads_fake, no_tensor, registered, score_dtype, shape_of_scores
+from ..kernels.common import accumulation_dtype
+from .registry import CROSS, PAIRS, grads_fake, no_tensor, registered, shape_of_scores
 
 __all__ = ["smooth_maxsim"]
 
 
 def _forward_fake(Q, D, tau, layout, entry, need_q, need_d):
     shape, n_docs, _ = shape_of_scores(Q, D, layout)
-    dtype = score_dtype(Q)
+    dtype = accumulation_dtype(Q.dtype)
     return Q.new_empty(shape, dtype=dtype), Q.new_empty((Q.shape[0], n_docs, Q.shape[1]), dtype=dtype)
 
 

@@ -5,6 +5,8 @@ It never materialises the full ``[Nq, Nd, Lq, Ld]`` similarity tensor: queries a
 documents are scored in chunks of at most ``LIK_CHUNK_ELEMENTS`` similarities, only the
 per-row winner index (the argmax) is kept for the backward, and the backward gathers /
 scatters through that index in chunks too.  So CPU training gets the memory win as well.
+Every product runs in fp32 (fp64 for fp64 inputs): half-precision matmuls on CPU are slow
+and accumulate in low precision.
 
 Launcher signatures match :mod:`lik_plugins.kernels.triton.launch`.
 """
@@ -13,15 +15,10 @@ from __future__ import annotations
 import torch
 
 from .._config import chunk_elements
-from .common import argmax_dtype, inverse_norms, project_out_norm
+from .common import accumulation_dtype, argmax_dtype, inverse_norms, project_out_norm
 from .reference import packed_positions
 
 _NO_WINNER = -1
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision matmuls on CPU are slow and accumulate in low precision: score in fp32.
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _scaled(x: torch.Tensor, inv_norm: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -63,7 +60,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     (``[Nq, NJ, Lq]`` of :func:`~lik_plugins.kernels.common.argmax_dtype`, -1: no winner)."""
     nq, lq, _ = Q.shape
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
-    cdt = _compute_dtype(Q.dtype)
+    cdt = accumulation_dtype(Q.dtype)
     rq = inverse_norms(Q) if normalize else None
     rd = inverse_norms(D) if normalize else None
     scores = torch.empty((nq, nj), dtype=cdt, device=Q.device)
@@ -106,7 +103,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="
     del strategy, q_masked  # one deterministic strategy here; masked rows are gathered, never multiplied
     nq, lq, dim = Q.shape
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
-    cdt = _compute_dtype(Q.dtype)
+    cdt = accumulation_dtype(Q.dtype)
     grad = grad.to(cdt)
     rq = inverse_norms(Q) if normalize else None
     rd = inverse_norms(D) if normalize else None
@@ -160,7 +157,7 @@ def _chunks(n_outer: int, per_outer: int):
 def smooth_forward(Q, D, tau: float, cross: bool):
     """``(scores [Nq, NJ], lse [Nq, NJ, Lq])`` in fp32 (fp64 for fp64 inputs); ``lse`` is
     the log-sum-exp of ``S / tau`` per query row."""
-    cdt = _compute_dtype(Q.dtype)
+    cdt = accumulation_dtype(Q.dtype)
     nq, lq, _ = Q.shape
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
     lse = torch.empty((nq, nj, lq), dtype=cdt, device=Q.device)
@@ -225,12 +222,12 @@ def forward_built(Q, build, n_docs, ld, d_mask, *, normalize_docs, normalize_que
     ``normalize_queries`` (the residual ops normalise both sides, the projection head the
     documents only).  Returns (scores, argmax or None)."""
     nq, lq, dim = Q.shape
-    scores = torch.empty((nq, n_docs), dtype=_compute_dtype(Q.dtype), device=Q.device)
+    scores = torch.empty((nq, n_docs), dtype=accumulation_dtype(Q.dtype), device=Q.device)
     argmax = torch.empty((nq, n_docs, lq), dtype=argmax_dtype(ld), device=Q.device) if save_argmax else None
     doc_dtype = Q.dtype
     if normalize_queries:
         # once for every chunk, in the compute dtype, as forward() would scale each chunk
-        Q = _scaled(Q, inverse_norms(Q), _compute_dtype(Q.dtype))
+        Q = _scaled(Q, inverse_norms(Q), accumulation_dtype(Q.dtype))
     step = _rows_per_chunk(ld * max(dim, 1), n_docs)
     for start in range(0, n_docs, step):
         stop = min(n_docs, start + step)
@@ -267,7 +264,7 @@ def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize_queries, need_q,
     normalised ``Q`` (its Jacobian is applied here).  Returns ``(grad_Q or None,
     grad_rows_hat [U, d] or None)``: the gradient at each distinct winning token."""
     nq, lq, dim = Q.shape
-    cdt = _compute_dtype(Q.dtype)
+    cdt = accumulation_dtype(Q.dtype)
     rq = inverse_norms(Q) if normalize_queries else None
     gq = torch.zeros((nq, lq, dim), dtype=cdt, device=Q.device) if need_q else None
     g_rows = torch.zeros((rows_hat.shape[0], dim), dtype=cdt, device=Q.device) if need_rows else None
@@ -353,7 +350,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     """Packed MaxSim.  ``pairs``: None (every query against every document: scores
     ``[Nq, Nd]``, winners ``[Nq, Nd, max_q]``) or ``(pair_q, pair_d)`` (scores ``[P]``,
     winners ``[P, max_q]``).  Winners index the document's own tokens (-1: none)."""
-    cdt = _compute_dtype(Q.dtype)
+    cdt = accumulation_dtype(Q.dtype)
     rq = inverse_norms(Q) if normalize else None
     rd = inverse_norms(D) if normalize else None
     nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
@@ -416,7 +413,7 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
     document row, grad_D scatter-adds ``g * q`` into it (``index_add_``: duplicate pairs
     accumulate).  No boolean indexing, so no host synchronisation on a GPU."""
     dim = Q.shape[-1]
-    cdt = _compute_dtype(Q.dtype)
+    cdt = accumulation_dtype(Q.dtype)
     grad = grad.to(cdt)
     rq = inverse_norms(Q) if normalize else None
     rd = inverse_norms(D) if normalize else None

@@ -10,13 +10,17 @@ NORM_EPS = 1e-12
 COMPACT_MAX_ROWS = 1 << 15
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, fp64 for fp64 inputs: what every path computes and returns scores in."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def inverse_norms(x: torch.Tensor) -> torch.Tensor:
     """``1 / max(||x||, eps)`` over the last dim, in fp32 (fp64 for fp64 input).
 
     The reduction upcasts on the fly, so no full-size fp32 copy of ``x`` is made.
     """
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    norms = torch.linalg.vector_norm(x, dim=-1, dtype=dtype)
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=accumulation_dtype(x.dtype))
     return norms.clamp_min(NORM_EPS).reciprocal()
 
 

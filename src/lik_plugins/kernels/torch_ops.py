@@ -21,7 +21,7 @@ import torch
 
 from .._config import chunk_elements
 from . import chunked, reference
-from .common import inverse_norms, project_out_norm
+from .common import accumulation_dtype, inverse_norms, project_out_norm
 
 
 # ----------------------------------------------------------------------------- fp8 / int8
@@ -117,7 +117,7 @@ def project_hidden(H, W, b):
         rows = torch.mm(H.reshape(-1, H.shape[-1]), W.t(), out_dtype=torch.float32)
         rows = rows.view(*H.shape[:-1], W.shape[0])
         return rows if b is None else rows + b.float()
-    cdt = torch.float64 if H.dtype == torch.float64 else torch.float32
+    cdt = accumulation_dtype(H.dtype)
     return torch.nn.functional.linear(H.to(cdt), W.to(cdt), None if b is None else b.to(cdt))
 
 

@@ -22,6 +22,7 @@ from .. import _routing
 from .. import autograd
 from ..autograd.registry import CANDIDATES, CROSS, PAIRS
 from ..kernels import reference
+from ..kernels.common import accumulation_dtype
 from ..kernels.dispatch import reference_requested, served_by
 from . import quantized
 from .validate import check_mask, check_options, check_tensor, prepare, score_tensor
@@ -178,13 +179,13 @@ def retrieve(Q: torch.Tensor, D: torch.Tensor, top_k: int, q_mask: torch.Tensor 
     check_options("auto", mask_mode)
     Q, D, q_mask, d_mask, _ = prepare(Q, D, q_mask, d_mask, pairs=False)
     _routing.record("retrieve", served_by(Q))
-    score_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
 
     def score_chunk(start, stop, dm):
         return score("", Q, D[start:stop], q_mask, dm, CROSS, normalize=normalize, backward="auto",
                      mask_mode=mask_mode)
 
-    return _running_top_k(score_chunk, Q.shape[0], D.shape[0], d_mask, top_k, chunk, largest, score_dtype, Q.device)
+    return _running_top_k(score_chunk, Q.shape[0], D.shape[0], d_mask, top_k, chunk, largest,
+                          accumulation_dtype(Q.dtype), Q.device)
 
 
 def _check_retrieve_args(top_k, chunk) -> None:
