@@ -111,11 +111,8 @@ def check_maxsim(case: Case, dtype: torch.dtype, device="cpu") -> dict[str, floa
 
     Q64 = Q.double().requires_grad_()
     D64 = D.double().requires_grad_()
-    if case.layout == "pairs":
-        want = reference.maxsim_pairs(Q64, D64[:, 0], q_mask, None if d_mask is None else d_mask[:, 0],
-                                      normalize=case.normalize, mask_mode=mode).unsqueeze(1)
-    else:
-        want = reference.maxsim(Q64, D64, q_mask, d_mask, normalize=case.normalize, mask_mode=mode)
+    # pairs are candidates of one ([Nq, 1, Ld, d]), as the launchers take them
+    want = reference.maxsim(Q64, D64, q_mask, d_mask, normalize=case.normalize, mask_mode=mode)
     want_gq, want_gd = torch.autograd.grad(want, (Q64, D64), grad.double())
     # the argmax contract, against the independent chunked formulation on the same values
     _, want_arg = chunked.forward(Q.float(), D.float(), q_mask, d_mask, cross=cross,
