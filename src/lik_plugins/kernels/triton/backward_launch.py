@@ -13,10 +13,9 @@ import torch
 from ..common import COMPACT_MAX_ROWS, inverse_norms
 from ..device import sm_count
 from .backward import maxsim_bwd_gather_kernel, maxsim_bwd_winners_kernel, project_rows_kernel
-from . import direct
 from .blocking import MAX_ROWS_PER_Q, gather_blocking
 from .direct import launch
-from .operands import doc_view, norm_strides, placeholder, precision
+from .operands import cached_plan, doc_view, norm_strides, placeholder, precision
 from .tuning import cdiv, doc_kernel_and_meta, interpreting, next_pow2
 
 # Largest fp32 grad_D buffer the unified backward allocates for the cross product; more
@@ -48,9 +47,10 @@ def project_into(g32, X, inv_norm, out):
            dict(BLOCK_R=block_r, D_PAD=d_pad))
 
 
-def _finish_grad_d(g32, D, rd, out, normalize):
+def _finish(g32, X, inv_norm, out, normalize):
+    """``out`` = the fp32 gradient rows ``g32`` of ``X``, through the normalisation's Jacobian if any."""
     if normalize:
-        project_into(g32, D, rd, out)
+        project_into(g32, X, inv_norm, out)
     else:
         out.copy_(g32)
 
@@ -87,11 +87,7 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
         BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
     ))
     if partial:
-        summed = gq_out.sum(0)
-        if normalize:
-            project_into(summed, Q, rq, grad_q)
-        else:
-            grad_q.copy_(summed)
+        _finish(gq_out.sum(0), Q, rq, grad_q, normalize)
 
 
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, q_masked=True):
@@ -210,15 +206,8 @@ def _lowmem_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, q_
     device = Q.device
     key = (Q.shape, Q.stride(), D.shape, D.stride(), grad.stride(), argmax.shape, argmax.stride(), Q.dtype,
            D.dtype, device, cross, bool(normalize), need_q, q_masked)
-    plan = _LOWMEM_PLANS.get(key)
-    after_launch = None
-    if plan is None:
-        plan, after_launch = _plan_lowmem(grad, Q, D, argmax, rd, cross=cross, normalize=normalize, need_q=need_q,
-                                          q_masked=q_masked)
-        if after_launch is None:
-            if len(_LOWMEM_PLANS) >= direct.MAX_PLANS:
-                _LOWMEM_PLANS.clear()
-            _LOWMEM_PLANS[key] = plan
+    plan, after_launch = cached_plan(_LOWMEM_PLANS, key, lambda: _plan_lowmem(
+        grad, Q, D, argmax, rd, cross=cross, normalize=normalize, need_q=need_q, q_masked=q_masked))
     stand_in = placeholder(device, torch.float32)
     # Allocation order is the peak's: a riding grad_Q lives beside the row lists, a gather
     # of its own starts after they are freed.
@@ -280,5 +269,5 @@ def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, n
             rd_slab = rd[j0:j1] if normalize else rd
             _gather_pass(grad[:, j0:j1], Q, D[j0:j1], argmax[:, j0:j1], rq, rd_slab,
                          None, chunk, cross=True, normalize=normalize)
-            _finish_grad_d(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
+            _finish(chunk, D[j0:j1], rd_slab, grad_d[j0:j1], normalize)
     return grad_q, grad_d

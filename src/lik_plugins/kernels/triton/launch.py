@@ -22,8 +22,8 @@ from .backward_launch import backward
 from .blocking import forward_blocking, tail_tile
 from .direct import launch
 from .operands import (
-    DENSE, HIDDEN, INT8, RESIDUAL, DocFormat, built_key, doc_view, documents_only, format_meta, mask_bytes,
-    no_offsets, norm_strides, placeholder, precision, stream_order_weights,
+    DENSE, HIDDEN, INT8, RESIDUAL, DocFormat, built_key, cached_plan, doc_view, documents_only, format_meta,
+    mask_bytes, no_offsets, norm_strides, placeholder, precision, stream_order_weights,
 )
 from .tuning import cdiv, forward_kernel_and_meta, interpreting, k_tile, next_pow2, size_class
 from .varlen_launch import varlen_backward, varlen_forward
@@ -163,15 +163,8 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
     key = (Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, device, cross, scaled, bool(zero_mode),
            bool(save_argmax), s_qm, s_dm, rd.stride() if scaled else None,
            None if doc_format is None else doc_format.key(), d_lengths is not None)
-    plan = _FORWARD_PLANS.get(key)
-    after_launch = None
-    if plan is None:
-        plan, after_launch = _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm,
-                                           s_dm, doc_format, d_lengths is not None)
-        if after_launch is None:
-            if len(_FORWARD_PLANS) >= direct.MAX_PLANS:  # shapes that never repeat: start over
-                _FORWARD_PLANS.clear()
-            _FORWARD_PLANS[key] = plan
+    plan, after_launch = cached_plan(_FORWARD_PLANS, key, lambda: _plan_forward(
+        Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm, doc_format, d_lengths is not None))
     argmax = None
     if save_argmax:
         argmax = torch.empty((Q.shape[0], plan.out_shape[-1], Q.shape[1]), dtype=plan.arg_dtype, device=device)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from . import forward as forward_kernels
+from .direct import MAX_PLANS
 
 # Counts above this do not fit the kernels' 32-bit integer arguments (Triton would specialise them as 64-bit).
 INT32_MAX = 2**31 - 1
@@ -33,6 +34,21 @@ def placeholder(device, dtype) -> torch.Tensor:
     if found is None:
         found = _PLACEHOLDERS[key] = torch.empty(0, dtype=dtype, device=device)
     return found
+
+
+def cached_plan(plans: dict, key, make) -> tuple:
+    """``(plan, after_launch)`` of a launch of geometry ``key``: ``plans[key]``, else ``make()``'s,
+    remembered unless the autotuner still has to run (``after_launch`` set: the plan is for
+    this call only)."""
+    plan = plans.get(key)
+    if plan is not None:
+        return plan, None
+    plan, after_launch = make()
+    if after_launch is None:
+        if len(plans) >= MAX_PLANS:  # shapes that never repeat: start over
+            plans.clear()
+        plans[key] = plan
+    return plan, after_launch
 
 
 def no_offsets(device) -> tuple:
