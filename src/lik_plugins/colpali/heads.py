@@ -174,14 +174,19 @@ def _legacy_pairwise_term(S):
     return F.softplus(neg - pos).mean()
 
 
-def legacy_colbert_loss(self, a, gen: Generation):
-    Q, D = a["query_embeddings"], a["doc_embeddings"]
-    if not _ok_inbatch(self, Q, D):
-        return None
+def _legacy_ce_term(self, Q, D):
+    """0.3.10's in-batch cross-entropy (the positives on the diagonal) and its path."""
     S, path = sc.inbatch(Q, D)
     if self.normalize_scores:
         S = _legacy_normalized(self, S, Q)
     return self.ce_loss(S / self.temperature, torch.arange(S.shape[0], device=S.device)), path
+
+
+def legacy_colbert_loss(self, a, gen: Generation):
+    Q, D = a["query_embeddings"], a["doc_embeddings"]
+    if not _ok_inbatch(self, Q, D):
+        return None
+    return _legacy_ce_term(self, Q, D)
 
 
 def legacy_pairwise_ce_loss(self, a, gen: Generation):
@@ -210,11 +215,7 @@ def legacy_negative_ce_loss(self, a, gen: Generation):
     pos, neg, path = got
     loss = F.softplus(neg / self.temperature - pos / self.temperature).mean()
     if self.in_batch_term:
-        Q = a["query_embeddings"]
-        S, _ = sc.inbatch(Q, a["doc_embeddings"])
-        if self.normalize_scores:
-            S = _legacy_normalized(self, S, Q)
-        loss += self.ce_loss(S / self.temperature, torch.arange(S.shape[0], device=S.device))
+        loss += _legacy_ce_term(self, a["query_embeddings"], a["doc_embeddings"])[0]
     return loss / 2, path
 
 

@@ -244,8 +244,6 @@ def _prepare_pairwise(Q, D):
             return _Fallback(reason)
         if Qs.shape[1] == 0 or Ds.shape[1] == 0:
             return _Fallback("zero-length token axis", strict=False)
-        q_mask = d_mask = None
-        mask_mode = "zero"
     else:
         first = Qs[0]
         for x in (*Qs, *Ds):
@@ -274,7 +272,7 @@ def _prepare_pairwise(Q, D):
     ops = _ops()
 
     def run() -> torch.Tensor:
-        return ops.maxsim_pairs(Qs, Ds, q_mask, d_mask, mask_mode=mask_mode).to(out_dtype)
+        return ops.maxsim_pairs(Qs, Ds, mask_mode="zero").to(out_dtype)
 
     return ops.served_by(Qs), run
 
