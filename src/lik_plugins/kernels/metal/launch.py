@@ -229,13 +229,8 @@ def row_grid(rows: int) -> tuple[list[int], list[int]]:
     return [_ceil_div(rows, SIMDGROUPS) * THREADS], [THREADS]
 
 
-def _shape(Q: torch.Tensor, D: torch.Tensor, cross: bool) -> tuple[int, int, int, int, int]:
-    nq, lq, dim = Q.shape
-    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
-    return nq, lq, nj, ld, dim
-
-
-def _check_inputs(Q: torch.Tensor, D: torch.Tensor, cross: bool) -> None:
+def _checked_shape(Q: torch.Tensor, D: torch.Tensor, cross: bool) -> tuple[int, int, int, int, int]:
+    """``(Nq, Lq, NJ, Ld, d)`` of inputs the kernels take (else a ValueError / TypeError)."""
     if Q.dim() != 3 or D.dim() != (3 if cross else 4):
         raise ValueError(f"metal: expected Q 3-D and D {3 if cross else 4}-D, got {tuple(Q.shape)} and {tuple(D.shape)}")
     if Q.dtype != D.dtype:
@@ -246,6 +241,9 @@ def _check_inputs(Q: torch.Tensor, D: torch.Tensor, cross: bool) -> None:
         raise ValueError(f"metal: embedding dims differ ({Q.shape[-1]} vs {D.shape[-1]})")
     if not cross and D.shape[0] != Q.shape[0]:
         raise ValueError(f"metal: D must have one entry per query ({D.shape[0]} vs {Q.shape[0]})")
+    nq, lq, dim = Q.shape
+    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
+    return nq, lq, nj, ld, dim
 
 
 def _mask_bytes(mask: torch.Tensor | None, shape: tuple[int, ...], placeholder: torch.Tensor) -> torch.Tensor:
@@ -294,8 +292,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
         >>> scores, argmax = forward(Q, D, None, None, cross=True, normalize=False,
         ...                          zero_mode=False, save_argmax=True)   # doctest: +SKIP
     """
-    _check_inputs(Q, D, cross)
-    nq, lq, nj, ld, dim = _shape(Q, D, cross)
+    nq, lq, nj, ld, dim = _checked_shape(Q, D, cross)
     device = Q.device
     scores = torch.zeros((nq, nj), dtype=torch.float32, device=device)
     argmax = torch.full((nq, nj, lq), _NO_WINNER, dtype=torch.int32, device=device) if save_argmax else None
@@ -332,8 +329,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="
     rows carry ``-1`` in the argmax and are skipped).
     """
     del strategy, q_masked
-    _check_inputs(Q, D, cross)
-    nq, lq, nj, ld, dim = _shape(Q, D, cross)
+    nq, lq, nj, ld, dim = _checked_shape(Q, D, cross)
     device = Q.device
     gq32 = torch.zeros((nq * lq, dim), dtype=torch.float32, device=device) if need_q else None
     gd32 = torch.zeros(D.shape, dtype=torch.float32, device=device) if need_d else None
@@ -366,8 +362,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="
 def smooth_forward(Q, D, tau, cross):
     """``(scores [Nq, NJ], lse [Nq, NJ, Lq])`` fp32 of ``sum_s tau * logsumexp_t(S / tau)``
     (no masks, no normalisation), as the chunked smooth-max forward."""
-    _check_inputs(Q, D, cross)
-    nq, lq, nj, ld, dim = _shape(Q, D, cross)
+    nq, lq, nj, ld, dim = _checked_shape(Q, D, cross)
     device = Q.device
     lse = torch.full((nq, nj, lq), -math.inf, dtype=torch.float32, device=device)
     if nq and nj and lq and ld:
@@ -393,8 +388,7 @@ def smooth_backward(Q, D, lse, grad, tau, cross, need_q, need_d):
     """fp32 ``(dQ or None, dD or None)`` from recomputed softmax weights
     ``P = exp(S / tau - lse)``; embeddings wider than :data:`SMOOTH_MAX_DIM` go to the
     chunked smooth-max backward (same device)."""
-    _check_inputs(Q, D, cross)
-    nq, lq, nj, ld, dim = _shape(Q, D, cross)
+    nq, lq, nj, ld, dim = _checked_shape(Q, D, cross)
     if dim > SMOOTH_MAX_DIM:
         from ..chunked import smooth_backward as chunked_smooth_backward
 
