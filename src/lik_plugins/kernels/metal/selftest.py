@@ -78,19 +78,14 @@ def _timing_row(name, layout, nq, lq, nj, ld, dim, dtype, repeats):
     grad = torch.randn(nq, nj, device=dev)
     kw = dict(cross=cross, normalize=False, zero_mode=False)
 
-    def metal_fwd():
-        return launch.forward(Q, D, None, None, save_argmax=False, **kw)
+    def forward_of(path):     # path: the launch module or chunked (same signatures)
+        return lambda: path.forward(Q, D, None, None, save_argmax=False, **kw)
 
-    def metal_train():
-        _, arg = launch.forward(Q, D, None, None, save_argmax=True, **kw)
-        launch.backward(grad, Q, D, arg, cross=cross, normalize=False, need_q=True, need_d=True)
-
-    def chunked_fwd():
-        return chunked.forward(Q, D, None, None, save_argmax=False, **kw)
-
-    def chunked_train():
-        _, arg = chunked.forward(Q, D, None, None, save_argmax=True, **kw)
-        chunked.backward(grad, Q, D, arg, cross=cross, normalize=False, need_q=True, need_d=True)
+    def train_of(path):
+        def train():
+            _, arg = path.forward(Q, D, None, None, save_argmax=True, **kw)
+            path.backward(grad, Q, D, arg, cross=cross, normalize=False, need_q=True, need_d=True)
+        return train
 
     def eager_fwd():
         with torch.no_grad():
@@ -101,8 +96,9 @@ def _timing_row(name, layout, nq, lq, nj, ld, dim, dtype, repeats):
         reference.maxsim(q, d).float().backward(grad)
 
     row = {"shape": name, "dtype": str(dtype).replace("torch.", "")}
-    for label, fn in (("metal_fwd", metal_fwd), ("chunked_fwd", chunked_fwd), ("eager_fwd", eager_fwd),
-                      ("metal_train", metal_train), ("chunked_train", chunked_train), ("eager_train", eager_train)):
+    for label, fn in (("metal_fwd", forward_of(launch)), ("chunked_fwd", forward_of(chunked)), ("eager_fwd", eager_fwd),
+                      ("metal_train", train_of(launch)), ("chunked_train", train_of(chunked)),
+                      ("eager_train", eager_train)):
         try:
             row[label] = _median_ms(fn, repeats)
         except Exception as exc:  # e.g. eager runs out of memory: report, keep going
