@@ -28,9 +28,7 @@ def backend_mode() -> str:
 def use_original() -> bool:
     """True when a patched entry must run colpali's own code: ``LIK_DISABLE=1`` or
     ``COLPALI_SCORES_BACKEND=torch``."""
-    if disabled():
-        return True
-    return backend_mode() == "torch"
+    return disabled() or backend_mode() == "torch"
 
 
 def eligible(*tensors: torch.Tensor) -> bool:

@@ -106,7 +106,7 @@ def _instance_slots() -> list[tuple[type, str]]:
     return slots
 
 
-def _apply(layout: STLayout, served: dict) -> None:
+def _apply(served: dict) -> None:
     to_adapter = dict(served)
     to_original = {adapter: original for original, adapter in served.items()}
     for module in _st_modules():
@@ -171,7 +171,7 @@ def _patch() -> STLayout:
         for name, original in layout.originals.items():
             _served[original] = lookalike(adapters[name], original)
     _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
-    _apply(layout, _served)
+    _apply(_served)
     _current = layout
     return layout
 
