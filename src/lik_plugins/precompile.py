@@ -133,6 +133,25 @@ def _ops(dtype, dim):
     with torch.no_grad():
         for lq in (8, 16, 32):
             ops.maxsim(_tokens(dtype, 2, lq, dim, grad=False), _tokens(dtype, 4, 16, dim, grad=False))
+    _unmasked(dtype, dim)
+
+
+def _unmasked(dtype, dim):
+    """Calls without masks, as scoring code and kernel benchmarks make them: one to a few
+    hundred queries scored against a corpus (reranking, search, long visual queries), and
+    training steps in-batch, per-query candidates and pairs."""
+    from . import ops
+
+    with torch.no_grad():
+        for nq, lq in ((1, 32), (8, 32), (16, 32), (64, 32), (256, 32), (64, 128), (16, 512), (1, 1024)):
+            for ld in (256, 300, 1030):
+                for nd in (8, 256, 1000, 2000, 4096, 100_000):
+                    ops.maxsim(_tokens(dtype, nq, lq, dim, grad=False), _tokens(dtype, nd, ld, dim, grad=False))
+    for batch in (8, 64, 256, 1024):
+        for ld in (180, 256, 300, 1030):
+            _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, ld, dim)))
+            _train(ops.maxsim_pairs(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, ld, dim)))
+            _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, 16, ld, dim)))
 
 
 WORKLOADS = {"pylate": _pylate, "colpali": _colpali, "sentence_transformers": _sentence_transformers, "ops": _ops}

@@ -148,6 +148,7 @@ def test_manifest_round_trip(built):
     assert manifest["arch"] == "sm_90" and manifest["cuda_driver"] >= 12000
     # the kernels' source digests are the ones this process computes (interpreted or not)
     assert manifest["kernels"]["self_check_kernel"] == loader.source_hash(variants.self_check_kernel)
+    assert manifest["file_keys"]["self_check_kernel"] == loader.file_key(variants.self_check_kernel)
     assert manifest["kernels"]["maxsim_fwd_kernel"] == loader.source_hash(forward.maxsim_fwd_kernel)
     assert len(manifest["variants"]) == len(listed)           # every variant --list names
     assert sorted(e["kernel"] for e in manifest["variants"].values()) == sorted(line.split()[0] for line in listed)
@@ -380,6 +381,14 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     assert fresh_loader.find(variants.self_check_kernel, other, 0) is None
     assert fresh_loader.diagnostics()["missing"] == {"self_check_kernel": 1}
     assert fresh_loader.diagnostics()["unserved"] == {"self_check_kernel": [fresh_loader.variant_key(other)]}
+    # an edit that keeps the syntax (a comment): the files differ, the syntax trees do not
+    assert fresh_loader._file_keys[id(variants.self_check_kernel)] == \
+        fresh_loader.read_manifest("sm_90", built[0])["file_keys"]["self_check_kernel"]
+    assert id(variants.self_check_kernel) not in fresh_loader._hashes      # the quick check sufficed
+    fresh_loader._file_keys[id(variants.self_check_kernel)] = "a comment edited"
+    fresh_loader._devices[0].loaded.clear()
+    fresh_loader._devices[0].served.clear()
+    assert isinstance(fresh_loader.find(variants.self_check_kernel, needed, 0), cuda.ShippedKernel)
     # a kernel whose source is not the one the binaries were built from
     fresh_loader._hashes[id(variants.self_check_kernel)] = "edited"
     fresh_loader._devices[0].loaded.clear()
@@ -389,6 +398,12 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     # or whose source cannot be read: no check, no binary
     fresh_loader._stale.clear()
     fresh_loader._hashes.clear()
+    fresh_loader._file_keys.clear()
+
+    def unreadable(filename):
+        raise OSError(f"{filename}: not installed")
+
+    monkeypatch.setattr(fresh_loader, "_file_sha", unreadable)
     monkeypatch.setattr(fresh_loader.linecache, "getlines", lambda filename: [])
     fresh_loader._trees.clear()
     assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
@@ -437,6 +452,10 @@ def test_shipped_manifests_in_the_package_match_the_kernels():
         for name, digest in manifest["kernels"].items():
             assert loader.source_hash(kernels[name]) == digest, \
                 f"{arch}: {name} changed since the build; " + _REBUILD.format(arch=arch)
+            # the binaries stay valid after an edit that keeps the syntax (a comment), but the
+            # first launch then parses the sources: rebuild to keep the quick check
+            assert loader.file_key(kernels[name]) == manifest["file_keys"][name], \
+                f"{arch}: {name}'s source files changed since the build; " + _REBUILD.format(arch=arch)
         with zipfile.ZipFile(loader.archive_path(arch)) as archive:
             members = set(archive.namelist())
         assert members == {"manifest.json", *(e["file"] for e in manifest["variants"].values())}

@@ -43,7 +43,11 @@ def registered(name: str, fake):
     def wrap(impl):
         _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=()))
         _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"lik::{name}", fake, lib=_LIBRARY)
+        # the fake kernel as the op's Meta kernel, which fake tensors run for an op with no
+        # fake registration: ``torch.library.register_fake`` records its caller's source
+        # line, and finding that file's module scans every module loaded (in a host process,
+        # thousands: tens of milliseconds of a user's first step)
+        _LIBRARY.impl(name, fake, "Meta")
         op = getattr(torch.ops.lik, name).default
 
         def call(*args):

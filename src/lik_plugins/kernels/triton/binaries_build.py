@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 
 from . import binaries_cuda as cuda
-from .binaries_loader import FORMAT, MANIFEST, archive_path, source_hash, variant_key
+from .binaries_loader import FORMAT, MANIFEST, archive_path, file_key, source_hash, variant_key
 from .offline import compiling_for
 from .variants import group, kernel_name, variant
 
@@ -134,9 +134,10 @@ def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, 
     import triton
     import torch
 
-    kernels = {}
+    kernels, file_keys = {}, {}
     for kernel, _, _ in todo:
         kernels.setdefault(kernel_name(kernel), source_hash(kernel))
+        file_keys.setdefault(kernel_name(kernel), file_key(kernel))
     major, minor = ptxas_release()
     manifest = {
         "format": FORMAT, "arch": arch, "workload": workload or {},
@@ -144,6 +145,7 @@ def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, 
         # a cubin needs a driver of its ptxas' major CUDA release or newer (minor-version compatibility)
         "cuda_driver": major * 1000,
         "kernels": dict(sorted(kernels.items())),
+        "file_keys": dict(sorted(file_keys.items())),
         "variants": dict(sorted(entries.items())),
     }
     out_root.mkdir(parents=True, exist_ok=True)

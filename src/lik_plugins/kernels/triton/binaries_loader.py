@@ -53,6 +53,7 @@ _missing: dict = {}                # kernel name -> launches with no shipped bin
 _unserved: dict = {}               # kernel name -> the first of those launches' variant keys
 _UNSERVED_KEPT = 16
 _hashes: dict = {}                 # id(kernel) -> source_hash(kernel)
+_file_keys: dict = {}              # id(kernel) -> file_key(kernel)
 _UNSEEN = object()
 
 
@@ -62,6 +63,29 @@ def source_hash(kernel) -> str:
     attribute), transitively, and the values of the plain constants it names.  Syntax
     trees, not text: reformatting, comments and docstrings do not change the binary, so
     they do not retire it."""
+    return _digest(kernel, lambda fn: _syntax(fn.__code__))
+
+
+def file_key(kernel) -> str:
+    """:func:`source_hash`'s walk with each function's file bytes and place in place of its
+    syntax tree: equal to the build's key, the source is the build's, so the loader skips
+    parsing (the tree digest costs a user's first step tens of milliseconds); any edit of
+    those files, a comment included, falls back to comparing syntax trees."""
+    return _digest(kernel, lambda fn: f"{_file_sha(fn.__code__.co_filename)}:{fn.__code__.co_firstlineno}")
+
+
+_file_shas: dict = {}              # file name -> sha256 of its bytes
+
+
+def _file_sha(filename: str) -> str:
+    value = _file_shas.get(filename)
+    if value is None:
+        with open(filename, "rb") as fh:
+            value = _file_shas[filename] = hashlib.sha256(fh.read()).hexdigest()
+    return value
+
+
+def _digest(kernel, code_text) -> str:
     digest = hashlib.sha256()
     seen: set = set()
 
@@ -71,7 +95,7 @@ def source_hash(kernel) -> str:
         if id(fn) in seen:
             return
         seen.add(id(fn))
-        digest.update(_syntax(fn.__code__).encode())
+        digest.update(code_text(fn).encode())
         names = _names(fn.__code__)
         scope = fn.__globals__
         for name in sorted(names):
@@ -141,10 +165,19 @@ def _names(code) -> set:
     return set().union(*(c.co_names for c in _codes(code)))
 
 
-def _kernel_hash(kernel) -> str:
-    value = _hashes.get(id(kernel))
+def _same_source(kernel, name: str, device) -> bool:
+    """Whether ``kernel`` is the source ``device``'s binaries were built from: its file key
+    as the build's (cheap), else its syntax-tree digest as the build's."""
+    built = device.file_keys.get(name)
+    if built is not None and _once(_file_keys, kernel, file_key) == built:
+        return True
+    return device.kernels.get(name) == _once(_hashes, kernel, source_hash)
+
+
+def _once(cache: dict, kernel, compute) -> str:
+    value = cache.get(id(kernel))
     if value is None:
-        value = _hashes[id(kernel)] = source_hash(kernel)
+        value = cache[id(kernel)] = compute(kernel)
     return value
 
 
@@ -178,6 +211,7 @@ class _Device:
         self._read_lock = threading.Lock()      # one ZipFile, read from the threads that launch
         self.entries = manifest["variants"]
         self.kernels = manifest["kernels"]
+        self.file_keys = manifest.get("file_keys", {})
         self.loaded: dict = {}
         self.chosen: dict = {}             # a launch's variant -> the key of the binary serving it, or None
         self.served: dict = {}             # a launch's variant -> its loaded binary (find's first look)
@@ -313,11 +347,11 @@ def find(kernel, variant: tuple, ordinal: int):
     if name in _stale:
         return None
     try:
-        digest = _kernel_hash(kernel)
+        same = _same_source(kernel, name, device)
     except (OSError, SyntaxError, LookupError) as exc:    # no source to check (a .pyc-only install)
         _stale[name] = f"{name}: its source cannot be read to check the binaries ({type(exc).__name__}: {exc})"
         return None
-    if device.kernels.get(name) != digest:
+    if not same:
         _stale[name] = (f"{name}: its source differs from the one the {device.arch} binaries were built from"
                         if name in device.kernels else f"{name}: not among the shipped kernels")
         return None
@@ -359,4 +393,6 @@ def reset() -> None:
     _missing.clear()
     _unserved.clear()
     _hashes.clear()
+    _file_keys.clear()
+    _file_shas.clear()
     _trees.clear()
