@@ -120,10 +120,7 @@ def _negative_scores(self, a, gen: Generation, pos_rows: str):
         return None
     smooth, tau = _smooth(self), _tau(self)
     pos, path = sc.pairs(Q, D_pos, smooth, tau)
-    if gen.neg_4d:
-        neg, _ = sc.candidates(Q, N, smooth, tau)
-    else:
-        neg, _ = sc.pairs(Q, N, smooth, tau)
+    neg, _ = (sc.candidates if gen.neg_4d else sc.pairs)(Q, N, smooth, tau)
     if self.normalize_scores:
         lengths = sc.query_lengths(Q)
         pos = self._apply_normalization(pos, lengths)

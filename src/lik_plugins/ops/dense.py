@@ -35,11 +35,8 @@ def score(entry, Q, D, q_mask, d_mask, layout, *, normalize, backward, mask_mode
     :func:`maxsim`, :func:`maxsim_pairs`, :func:`retrieve` and ``packed.maxsim_padded``
     (``entry``: the public op counted in ``routing_counts``; empty: not counted)."""
     if reference_requested(entry):
-        if layout == PAIRS:
-            out = reference.maxsim_pairs(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
-        else:
-            out = reference.maxsim(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode)
-        return score_tensor(out)
+        spec = reference.maxsim_pairs if layout == PAIRS else reference.maxsim
+        return score_tensor(spec(Q, D, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode))
     return autograd.dense.maxsim(Q, D, q_mask, d_mask, layout=layout, normalize=bool(normalize),
                                  zero_mode=mask_mode == "zero", strategy=backward, entry=entry)
 
