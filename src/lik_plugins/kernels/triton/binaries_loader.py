@@ -305,18 +305,21 @@ def _open_device(ordinal: int):
 
 def _self_check(device: _Device) -> bool:
     """Two launches of the shipped self-check binary with other lengths, scalars and
-    outputs; results copied to the host and compared there (no other GPU kernel runs)."""
+    outputs; results copied to the host and compared there (no other GPU kernel runs).
+    On a stream of its own: the copies wait for the check's launches, not for the work the
+    caller queued before its first launch (a step's encoder forward)."""
     x_host = torch.arange(100, dtype=torch.float32)
-    x = x_host.to(f"cuda:{device.ordinal}")
-    outs = [torch.full((100,), -1.0).to(x.device) for _ in CHECK_CALLS]
-    stream = torch._C._cuda_getCurrentRawStream(device.ordinal)
-    for out, (n, scale) in zip(outs, CHECK_CALLS):
-        args = (x, out, n, scale)
-        shipped = device.kernel(variant_key(variant(self_check_kernel, args, CHECK_META)))
-        if shipped is None:
-            return False
-        shipped((2,), stream, args)
-    got = [o.cpu() for o in outs]
+    side = torch.cuda.Stream(device.ordinal)
+    with torch.cuda.stream(side):
+        x = x_host.to(f"cuda:{device.ordinal}")
+        outs = [torch.full((100,), -1.0).to(x.device) for _ in CHECK_CALLS]
+        for out, (n, scale) in zip(outs, CHECK_CALLS):
+            args = (x, out, n, scale)
+            shipped = device.kernel(variant_key(variant(self_check_kernel, args, CHECK_META)))
+            if shipped is None:
+                return False
+            shipped((2,), side.cuda_stream, args)
+        got = [o.cpu() for o in outs]
     want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in CHECK_CALLS]
     return all(torch.equal(o, w) for o, w in zip(got, want))
 
