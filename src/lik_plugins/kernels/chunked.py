@@ -30,6 +30,12 @@ def _rows_per_chunk(per_row: int, total: int) -> int:
     return max(1, min(total, chunk_elements() // max(per_row, 1)))
 
 
+def _chunks(n_outer: int, per_outer: int) -> list[slice]:
+    """``range(n_outer)`` cut into slices of at most ``LIK_CHUNK_ELEMENTS // per_outer`` (at least 1)."""
+    step = _rows_per_chunk(per_outer, n_outer)
+    return [slice(i, i + step) for i in range(0, n_outer, step)]
+
+
 def _reduce_rows(sim, q_valid, d_valid, zero_mode, d_present=None):
     """sim ``[a, b, Lq, Ld]`` -> (row values ``[a, b, Lq]``, winner ``[a, b, Lq]`` or -1).
 
@@ -68,13 +74,10 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
 
     if cross:
         cd = _rows_per_chunk(lq * ld, nj)
-        cq = _rows_per_chunk(cd * lq * ld, nq)
-        for q0 in range(0, nq, cq):
-            qs = slice(q0, q0 + cq)
+        for qs in _chunks(nq, cd * lq * ld):
             qc = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
             qv = None if q_mask is None else q_mask[qs]
-            for d0 in range(0, nj, cd):
-                ds = slice(d0, d0 + cd)
+            for ds in _chunks(nj, lq * ld):
                 dc = _scaled(D[ds], None if rd is None else rd[ds], cdt)
                 sim = torch.einsum("ash,bth->abst", qc, dc)
                 dv = None if d_mask is None else d_mask[ds].unsqueeze(0).expand(sim.shape[0], -1, -1)
@@ -83,9 +86,7 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
                 if argmax is not None:
                     argmax[qs, ds] = winner
     else:
-        cq = _rows_per_chunk(nj * lq * ld, nq)
-        for q0 in range(0, nq, cq):
-            qs = slice(q0, q0 + cq)
+        for qs in _chunks(nq, nj * lq * ld):
             qc = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
             dc = _scaled(D[qs], None if rd is None else rd[qs], cdt)
             sim = torch.einsum("ash,akth->akst", qc, dc)
@@ -111,16 +112,13 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="
     gq = torch.zeros((nq, lq, dim), dtype=cdt, device=Q.device) if need_q else None
     gd = torch.zeros((D.numel() // max(dim, 1), dim), dtype=cdt, device=D.device) if need_d else None
 
-    per_q = nj * lq * dim
-    cq = _rows_per_chunk(per_q, nq)
-    for q0 in range(0, nq if ld else 0, cq):  # Ld = 0: no winners, zero gradients
-        qs = slice(q0, q0 + cq)
+    for qs in _chunks(nq if ld else 0, nj * lq * dim):  # Ld = 0: no winners, zero gradients
         win = argmax[qs]  # [a, NJ, Lq]
         ok = win >= 0
         if cross:
             flat = torch.arange(nj, device=Q.device).view(1, nj, 1) * ld + win.clamp_min(0)
         else:
-            rows = torch.arange(q0, q0 + win.shape[0], device=Q.device).view(-1, 1, 1)
+            rows = torch.arange(qs.start, qs.start + win.shape[0], device=Q.device).view(-1, 1, 1)
             flat = (rows * nj + torch.arange(nj, device=Q.device).view(1, nj, 1)) * ld + win.clamp_min(0)
         weight = grad[qs].unsqueeze(-1) * ok.to(cdt)  # [a, NJ, Lq]
         if need_q:
@@ -148,11 +146,6 @@ def _finish(g, X, inv_norm, normalize):
 # ``score = sum_s tau * logsumexp_t(S / tau)`` (reference.smooth_maxsim).  The forward keeps
 # only the per-row log-sum-exp ``lse[q, j, s]`` (``[Nq, NJ, Lq]``); the backward recomputes
 # each chunk's similarities and softmax weights ``exp(S / tau - lse)`` from it.
-
-def _chunks(n_outer: int, per_outer: int):
-    step = _rows_per_chunk(per_outer, n_outer)
-    return [slice(i, i + step) for i in range(0, n_outer, step)]
-
 
 def smooth_forward(Q, D, tau: float, cross: bool):
     """``(scores [Nq, NJ], lse [Nq, NJ, Lq])`` in fp32 (fp64 for fp64 inputs); ``lse`` is
@@ -270,9 +263,7 @@ def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize_queries, need_q,
     g_rows = torch.zeros((rows_hat.shape[0], dim), dtype=cdt, device=Q.device) if need_rows else None
     rows_hat = rows_hat.to(cdt)
     nj = inverse.shape[1]
-    cq = _rows_per_chunk(nj * lq * dim, nq)
-    for q0 in range(0, nq, cq):
-        qs = slice(q0, q0 + cq)
+    for qs in _chunks(nq, nj * lq * dim):
         inv = inverse[qs]
         weight = grad[qs].to(cdt).unsqueeze(-1) * ok[qs].to(cdt)                # [a, NJ, Lq]
         if need_q:
@@ -361,9 +352,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
         n_pairs = pair_q.shape[0]
         scores = torch.empty((n_pairs,), dtype=cdt, device=device)
         argmax = torch.empty((n_pairs, max_q), dtype=arg_dtype, device=device) if save_argmax else None
-        step = _rows_per_chunk(max(max_q, 1) * max(max_d, 1), n_pairs)
-        for p0 in range(0, n_pairs, step):
-            ps = slice(p0, p0 + step)
+        for ps in _chunks(n_pairs, max(max_q, 1) * max(max_d, 1)):
             runs = _query_runs(pair_q[ps])
             if runs is None:
                 # one small product per pair, every pair's query gathered
@@ -389,14 +378,11 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     argmax = torch.empty((nq, nd, max_q), dtype=arg_dtype, device=device) if save_argmax else None
     per_doc = max(max_q, 1) * max(max_d, 1)
     cd = _rows_per_chunk(per_doc, nd)
-    cq = _rows_per_chunk(cd * per_doc, nq)
     q_ids = torch.arange(nq, device=device)
     d_ids = torch.arange(nd, device=device)
-    for q0 in range(0, nq, cq):
-        qs = slice(q0, q0 + cq)
+    for qs in _chunks(nq, cd * per_doc):
         qc, _, qv = _gather_padded(Q, rq, q_mask, cu_q, q_ids[qs], max_q, cdt)
-        for d0 in range(0, nd, cd):
-            ds = slice(d0, d0 + cd)
+        for ds in _chunks(nd, per_doc):
             dc, dp, dv = _gather_padded(D, rd, d_mask, cu_d, d_ids[ds], max_d, cdt)
             sim = torch.einsum("ash,bth->abst", qc, dc)
             a = sim.shape[0]
@@ -427,9 +413,7 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
         q_last, d_last = Q.shape[0] - 1, D.shape[0] - 1
         if pairs is not None:
             pair_q, pair_d = pairs[0].long(), pairs[1].long()
-            step = _rows_per_chunk(max_q * dim, pair_q.shape[0])
-            for p0 in range(0, pair_q.shape[0], step):
-                ps = slice(p0, p0 + step)
+            for ps in _chunks(pair_q.shape[0], max_q * dim):
                 win = argmax[ps].long()
                 q_rows = cu_q[pair_q[ps]].long()[:, None] + t[None, :]
                 d_rows = cu_d[pair_d[ps]].long()[:, None] + win.clamp_min(0)
@@ -438,9 +422,7 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
             nd = cu_d.numel() - 1
             d_starts = cu_d[:-1].long().view(1, nd, 1)
             q_starts = cu_q[:-1].long()      # one start per query: ``cu_q`` has Nq + 1 entries
-            step = _rows_per_chunk(nd * max_q * dim, q_starts.numel())
-            for q0 in range(0, q_starts.numel(), step):
-                qs = slice(q0, q0 + step)
+            for qs in _chunks(q_starts.numel(), nd * max_q * dim):
                 win = argmax[qs].long()                                             # [a, Nd, Lq]
                 q_rows = (q_starts[qs][:, None] + t[None, :]).unsqueeze(1).expand_as(win)
                 d_rows = d_starts + win.clamp_min(0)
