@@ -212,14 +212,10 @@ def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if torch.is_grad_enabled() and (any(q.requires_grad for q in a) or any(map(_REQUIRES_GRAD, b))):
         return None   # scores only: a gradient goes through ST's chunk scorers
     q_lens = table.extra
-    with torch.no_grad():
-        if pairwise:
-            scores = score_table(a, q_lens, table, torch.arange(nq, device=device), None, round_maxima=True)
-            empty = table.lengths == 0
-        else:   # every query against every document: [nq, nd]
-            scores = score_table(a, q_lens, table, None, None, round_maxima=True)
-            empty = (table.lengths == 0).unsqueeze(0)
-    scores = scores.masked_fill(empty, _similarity_module._EMPTY_DOCUMENT_SCORE)
+    with torch.no_grad():   # pairwise: query i against document i ([nq]); else every pair ([nq, nd])
+        scores = score_table(a, q_lens, table, torch.arange(nq, device=device) if pairwise else None, None,
+                             round_maxima=True)
+    scores = scores.masked_fill(table.lengths == 0, _similarity_module._EMPTY_DOCUMENT_SCORE)
     if params.get("length_normalize", False):
         counts = q_lens.to(scores.dtype)
         scores = scores / (counts if pairwise else counts.unsqueeze(1))
