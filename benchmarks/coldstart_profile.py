@@ -22,7 +22,7 @@ whether it was the variant's first launch) with the time spent inside it in each
 a first call -- Triton's source hashing (``JITFunction.cache_key``), binder creation, the
 compile call (a disk-cache lookup and load, or a build), ``ptxas --version``, the driver's
 utility module, the C launcher module (built with the C compiler or loaded from the cache),
-the cubin load (``_init_handles``), our replay self-check, the shipped-binary lookup and
+the cubin load (``_init_handles``), our driver-launch self-check, the shipped-binary lookup and
 load; the cache's files before and after (a file added on a filled cache is something the
 precompile did not build); cProfile's top entries by cumulative time over the first step;
 the second and third steps' walls.  Writes ``coldstart_profile.json`` (and one JSON per
@@ -145,10 +145,9 @@ def _instrument(phases: Phases) -> None:
     for info in pkgutil.iter_modules(package.__path__):     # every launcher holds ``launch`` by name
         importlib.import_module(f"{package.__name__}.{info.name}")
 
-    phases.wrap(direct, "replay_ok", "lik: replay self-check (first JIT launch)")
     phases.wrap(binaries_loader, "find", "lik: shipped lookup (+ load)")
-    phases.wrap(binaries_loader, "_self_check", "lik: shipped self-check")
-    phases.wrap(binaries_loader, "source_hash", "lik: shipped source digest")
+    phases.wrap(binaries_loader, "_self_check", "lik: driver-launch self-check")
+    phases.wrap(binaries_loader, "file_key", "lik: shipped source key")
     phases.wrap(binaries_cuda.Driver, "load", "lik: cuModuleLoadData + function setup")
     phases.wrap_launch(direct)
 

@@ -16,8 +16,8 @@ between two calls in the same process.
                             checks them on a Mac.
 ``LIK_CHUNK_ELEMENTS``      element budget of one similarity chunk on the chunked path
                             (default 2**24, i.e. 64 MB of fp32 scratch).
-``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of replaying
-                            the compiled launcher (see ``kernels/triton/direct.py``).
+``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of through the
+                            CUDA driver with a cached plan (see ``kernels/triton/direct.py``).
 ``LIK_SHIPPED_BINARIES``    ``1`` (default): launch the kernel binaries shipped with the package
                             (``kernels/triton/binaries/<arch>.zip``) through the CUDA driver,
                             without Triton's JIT; variants not shipped, other architectures

@@ -172,22 +172,26 @@ def test_direct_launch_replays_the_jit_bitwise(monkeypatch, case):
 
 
 def _replay_checked():
-    """The replay's self-check passed (a verified Triton: every later launch replays)."""
-    from lik_plugins.kernels.triton import direct
+    """Launches through the driver passed their self-check on this device (every later
+    launch of a plan takes them)."""
+    from lik_plugins.kernels.triton import binaries_loader
 
-    assert direct.replay_ok()
+    assert binaries_loader._driver_launches_ok(torch.cuda.current_device()) is True
 
 
-def test_the_launcher_self_check_passes_and_launches_only_its_own_kernel():
-    """The replay's self-check runs inside a user's step: it must pass on a verified Triton
-    and launch no PyTorch kernel (a first use loads that kernel's module: tens of ms)."""
+def test_the_driver_launch_self_check_passes_and_launches_only_its_own_kernel():
+    """The self-check of launches through the driver, with the JIT's binary of its kernel,
+    runs inside a user's step: it must pass and launch no PyTorch kernel (a first use loads
+    that kernel's module: tens of ms)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lik_plugins.kernels.triton import direct
+    from lik_plugins.kernels.triton import binaries_loader
 
-    direct._self_check()            # its kernel compiled and loaded: the profile sees launches only
+    binaries_loader.reset()
+    assert binaries_loader._driver_launches_ok(0) is True     # compiled and loaded: the profile sees launches only
+    binaries_loader.reset()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        assert direct._self_check()
+        assert binaries_loader._driver_launches_ok(0) is True
     kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()}
     assert kernels == {"self_check_kernel"}

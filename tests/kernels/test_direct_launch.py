@@ -231,7 +231,7 @@ def test_a_shipped_binary_serves_the_plan_without_the_jit(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     monkeypatch.setattr(kernel, "run", lambda *a, **k: jit.append((a, k)))
-    monkeypatch.setattr(direct, "replay_ok", lambda: True)
+    monkeypatch.setattr(binaries_loader, "from_jit", lambda compiled, n_args, device: None)
     monkeypatch.setenv("LIK_SHIPPED_BINARIES", "1")
     direct.clear()
     x = torch.zeros(64)
@@ -255,3 +255,35 @@ def test_a_shipped_binary_serves_the_plan_without_the_jit(monkeypatch):
     direct.clear()
     direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16})
     assert len(asked) == 3 and len(launched) == 3 and len(jit) == 2
+
+
+def test_the_jits_binary_serves_the_plan_after_its_first_launch(monkeypatch):
+    """No shipped binary: the first launch goes through the JIT and its compiled kernel,
+    wrapped for the driver (``binaries_loader.from_jit``), serves every later launch of the
+    plan with the new arguments; where it cannot be wrapped, every launch takes the JIT."""
+    from lik_plugins.kernels.triton import binaries_loader, direct
+
+    kernel = _plain_jit_kernel()
+    jit, wrapped, launched = [], [], []
+    compiled = object()
+
+    def driver_launch(grid, stream, args):
+        launched.append((grid, stream, args))
+
+    monkeypatch.setattr(binaries_loader, "find", lambda k, needed, device: None)
+    monkeypatch.setattr(binaries_loader, "from_jit",
+                        lambda c, n_args, device: wrapped.append((c, n_args)) or driver_launch)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 5, raising=False)
+    monkeypatch.setattr(kernel, "run", lambda *a, **k: jit.append(a) or compiled)
+    direct.clear()
+    x = torch.zeros(64)
+    assert direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16}) is compiled
+    direct.launch(kernel, (4,), (x, 7), {"BLOCK": 16})
+    assert len(jit) == 1 and wrapped == [(compiled, 2)]
+    assert launched == [((4,), 5, (x, 7))]
+    monkeypatch.setattr(binaries_loader, "from_jit", lambda c, n_args, device: None)
+    direct.clear()
+    for _ in range(2):
+        direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16})
+    assert len(jit) == 3 and len(launched) == 1

@@ -146,10 +146,9 @@ def test_manifest_round_trip(built):
     built, listed = built
     manifest = loader.read_manifest("sm_90", built)
     assert manifest["arch"] == "sm_90" and manifest["cuda_driver"] >= 12000
-    # the kernels' source digests are the ones this process computes (interpreted or not)
-    assert manifest["kernels"]["self_check_kernel"] == loader.source_hash(variants.self_check_kernel)
+    # the kernels' source keys are the ones this process computes (interpreted or not)
     assert manifest["file_keys"]["self_check_kernel"] == loader.file_key(variants.self_check_kernel)
-    assert manifest["kernels"]["maxsim_fwd_kernel"] == loader.source_hash(forward.maxsim_fwd_kernel)
+    assert manifest["file_keys"]["maxsim_fwd_kernel"] == loader.file_key(forward.maxsim_fwd_kernel)
     assert len(manifest["variants"]) == len(listed)           # every variant --list names
     assert sorted(e["kernel"] for e in manifest["variants"].values()) == sorted(line.split()[0] for line in listed)
     x = torch.zeros(100)
@@ -207,7 +206,7 @@ def test_blanking_the_ptx_text_leaves_the_code_and_the_layout(tmp_path):
 
 
 def test_ptx_parameter_sizes_are_read_from_the_entry():
-    from lik_plugins.kernels.triton.binaries_build import ptx_param_sizes
+    from lik_plugins.kernels.triton.binaries_cuda import ptx_param_sizes
 
     ptx = """
 .visible .entry k(
@@ -246,7 +245,7 @@ def _hand_manifest(extra=()) -> dict:
     """Binaries of one group, by hints: which one a launch gets is the test's expectation."""
     rows = [("exact", "D1D-", "P-ii"), ("stride-hint", "D.D-", "Piii"), ("unit-stride", ".1.-", "P-ii"),
             ("generic", "...-", "Piii"), *extra]
-    return {"format": binaries_loader.FORMAT, "arch": "sm_90", "cuda_driver": 12000, "kernels": {_K: "digest"},
+    return {"format": binaries_loader.FORMAT, "arch": "sm_90", "cuda_driver": 12000, "file_keys": {_K: "key"},
             "variants": {f"key-{name}": {"kernel": _K, "function": _K, "file": f"{name}.cubin", "num_warps": 4,
                                          "shared": 0, "params": params, "group": _GROUP, "hints": hints}
                          for name, hints, params in rows}}
@@ -350,7 +349,7 @@ def test_an_old_driver_and_a_failed_self_check_fall_back(fresh_loader, stub, mon
     finally:
         _set(stub, "driver_version", 12080)
     fresh_loader.reset()
-    monkeypatch.setattr(fresh_loader, "_self_check", lambda device: False)
+    monkeypatch.setattr(fresh_loader, "_self_check", lambda ordinal, binary_for: False)
     assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert "self-check kernel wrote other values" in fresh_loader.diagnostics()["devices"][0]
 
@@ -361,7 +360,7 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
 
     _with_stub(fresh_loader, stub, monkeypatch, 9, 0)
     monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built[0])
-    monkeypatch.setattr(fresh_loader, "_self_check", lambda device: True)
+    monkeypatch.setattr(fresh_loader, "_self_check", lambda ordinal, binary_for: True)
     x = torch.zeros(100)
     needed = variants.variant(variants.self_check_kernel, (x, x, 37, 2.0), variants.CHECK_META)
     _set(stub, "n_declared", 6)                      # 2 pointers, n, scale, 2 scratch pointers
@@ -381,31 +380,22 @@ def test_found_variants_load_once_and_stale_or_mismatched_ones_fall_back(fresh_l
     assert fresh_loader.find(variants.self_check_kernel, other, 0) is None
     assert fresh_loader.diagnostics()["missing"] == {"self_check_kernel": 1}
     assert fresh_loader.diagnostics()["unserved"] == {"self_check_kernel": [fresh_loader.variant_key(other)]}
-    # an edit that keeps the syntax (a comment): the files differ, the syntax trees do not
     assert fresh_loader._file_keys[id(variants.self_check_kernel)] == \
         fresh_loader.read_manifest("sm_90", built[0])["file_keys"]["self_check_kernel"]
-    assert id(variants.self_check_kernel) not in fresh_loader._hashes      # the quick check sufficed
-    fresh_loader._file_keys[id(variants.self_check_kernel)] = "a comment edited"
-    fresh_loader._devices[0].loaded.clear()
-    fresh_loader._devices[0].served.clear()
-    assert isinstance(fresh_loader.find(variants.self_check_kernel, needed, 0), cuda.ShippedKernel)
-    # a kernel whose source is not the one the binaries were built from
-    fresh_loader._hashes[id(variants.self_check_kernel)] = "edited"
+    # a kernel whose source files are not the ones the binaries were built from
+    fresh_loader._file_keys[id(variants.self_check_kernel)] = "edited"
     fresh_loader._devices[0].loaded.clear()
     fresh_loader._devices[0].served.clear()
     assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert "source differs" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
     # or whose source cannot be read: no check, no binary
     fresh_loader._stale.clear()
-    fresh_loader._hashes.clear()
     fresh_loader._file_keys.clear()
 
     def unreadable(filename):
         raise OSError(f"{filename}: not installed")
 
     monkeypatch.setattr(fresh_loader, "_file_sha", unreadable)
-    monkeypatch.setattr(fresh_loader.linecache, "getlines", lambda filename: [])
-    fresh_loader._trees.clear()
     assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert "cannot be read" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
 
@@ -415,7 +405,7 @@ def test_a_binary_declaring_other_parameters_is_not_launched(fresh_loader, stub,
 
     _with_stub(fresh_loader, stub, monkeypatch, 9, 0)
     monkeypatch.setattr(fresh_loader, "BINARIES_DIR", built[0])
-    monkeypatch.setattr(fresh_loader, "_self_check", lambda device: True)
+    monkeypatch.setattr(fresh_loader, "_self_check", lambda ordinal, binary_for: True)
     _set(stub, "n_declared", 5)                      # one scratch pointer short: another kernel ABI
     for i, size in enumerate((8, 8, 4, 4, 8)):
         (ctypes.c_size_t * 64).in_dll(stub, "declared_sizes")[i] = size
@@ -423,6 +413,47 @@ def test_a_binary_declaring_other_parameters_is_not_launched(fresh_loader, stub,
     needed = variants.variant(variants.self_check_kernel, (x, x, 37, 2.0), variants.CHECK_META)
     assert fresh_loader.find(variants.self_check_kernel, needed, 0) is None
     assert "the binary takes parameters of" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
+
+
+def _jit_compiled(ptx_sizes, name="self_check_kernel", **metadata):
+    """What the loader reads of a Triton ``CompiledKernel``: metadata, signature, PTX, handle."""
+    from types import SimpleNamespace
+
+    fields = {**dict(name=name, num_warps=4, shared=0, global_scratch_size=0, profile_scratch_size=0, num_ctas=1,
+                     launch_pdl=False, launch_cooperative_grid=False), **metadata}
+    kinds = {1: "u8", 4: "u32", 8: "u64"}
+    ptx = f".visible .entry {name}(\n" + ",\n".join(
+        f"\t.param .{kinds[size]} {name}_param_{i}" for i, size in enumerate(ptx_sizes)) + "\n)\n{}"
+    signature = {"X": "*fp32", "OUT": "*fp32", "n": "i32", "scale": "fp32", "BLOCK": "constexpr"}
+    return SimpleNamespace(metadata=SimpleNamespace(**fields), src=SimpleNamespace(signature=signature),
+                           asm={"ptx": ptx}, function=1234, run=None)
+
+
+def test_the_jits_binaries_launch_through_the_driver_once_checked(fresh_loader, stub, monkeypatch):
+    """``from_jit``: a JIT-compiled kernel becomes a driver launch with the parameter codes its
+    signature gives, once the driver path passed its self-check on the device; a PTX entry
+    that declares other parameters (another Triton ABI), a kernel needing scratch memory, or
+    a failed self-check leave its launches on the JIT, with the reason."""
+    from lik_plugins.kernels.triton import binaries_cuda as cuda
+
+    _with_stub(fresh_loader, stub, monkeypatch, 8, 6)
+    checks = []
+    monkeypatch.setattr(fresh_loader, "_self_check", lambda ordinal, binary_for: checks.append(ordinal) or True)
+    monkeypatch.setattr(variants.self_check_kernel, "warmup", lambda *a, **k: _jit_compiled([8, 8, 4, 4, 8, 8]))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: None)          # the check's warm-up tensor: no GPU here
+    wrapped = fresh_loader.from_jit(_jit_compiled([8, 8, 4, 4, 8, 8]), 4, 0)
+    assert isinstance(wrapped, cuda.ShippedKernel) and wrapped.layout.codes == "PPif" and wrapped.function == 1234
+    assert fresh_loader.from_jit(_jit_compiled([8, 8, 4, 4, 8, 8]), 4, 0) is not None and checks == [0]
+    assert fresh_loader.diagnostics()["driver_launch"] == {0: True}
+    assert fresh_loader.from_jit(_jit_compiled([8, 8, 4, 4, 8]), 4, 0) is None     # one scratch pointer short
+    assert "the PTX declares parameters" in fresh_loader.diagnostics()["kernels"]["self_check_kernel"]
+    scratch = _jit_compiled([8, 8, 4, 4, 8, 8], name="k2", global_scratch_size=64)
+    assert fresh_loader.from_jit(scratch, 4, 0) is None
+    assert "global scratch memory" in fresh_loader.diagnostics()["kernels"]["k2"]
+    fresh_loader.reset()
+    monkeypatch.setattr(fresh_loader, "_self_check", lambda ordinal, binary_for: False)
+    assert fresh_loader.from_jit(_jit_compiled([8, 8, 4, 4, 8, 8]), 4, 0) is None
+    assert "wrote other values" in fresh_loader.diagnostics()["driver_launch"][0]
 
 
 def test_the_environment_switch_is_on_unless_turned_off(monkeypatch):
@@ -449,12 +480,8 @@ def test_shipped_manifests_in_the_package_match_the_kernels():
         pytest.skip("no binaries shipped in this checkout")
     kernels = _package_kernels()
     for arch, manifest in manifests.items():
-        for name, digest in manifest["kernels"].items():
-            assert loader.source_hash(kernels[name]) == digest, \
-                f"{arch}: {name} changed since the build; " + _REBUILD.format(arch=arch)
-            # the binaries stay valid after an edit that keeps the syntax (a comment), but the
-            # first launch then parses the sources: rebuild to keep the quick check
-            assert loader.file_key(kernels[name]) == manifest["file_keys"][name], \
+        for name, key in manifest["file_keys"].items():
+            assert loader.file_key(kernels[name]) == key, \
                 f"{arch}: {name}'s source files changed since the build; " + _REBUILD.format(arch=arch)
         with zipfile.ZipFile(loader.archive_path(arch)) as archive:
             members = set(archive.namelist())

@@ -6,10 +6,9 @@ the binary the JIT would build for that launch), and what a launch needs is read
 compiled kernel: the cubin, the function name, warps and shared memory, and from its
 signature which positional arguments Triton kept as parameters and with which type (the
 ones it compiled in -- constexprs, integers equal to 1, ``None`` -- are not passed).  That
-list is checked against the parameters the PTX entry declares (count and sizes, the two
-scratch pointers last), so a Triton whose kernel ABI differs fails the build, not a launch.
-Kernels that need more than the loader does (scratch memory, clusters, programmatic
-dependent launch, cooperative grids, tensor descriptors) are refused.
+list is checked against the parameters the PTX entry declares
+(:func:`binaries_cuda.launch_codes`), so a Triton whose kernel ABI differs fails the build,
+not a launch.
 """
 from __future__ import annotations
 
@@ -22,46 +21,17 @@ import zipfile
 from pathlib import Path
 
 from . import binaries_cuda as cuda
-from .binaries_loader import FORMAT, MANIFEST, archive_path, file_key, source_hash, variant_key
+from .binaries_loader import FORMAT, MANIFEST, archive_path, file_key, variant_key
 from .offline import compiling_for
 from .variants import group, kernel_name, variant
-
-_PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr)?(?:\s+\.global)?(?:\s+\.align\s+\d+)?\s+(\w+)")
-_PTX_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
-
-
-def ptx_param_sizes(ptx: str, function: str) -> list[int]:
-    """The sizes of the parameters the PTX entry ``function`` declares, in order."""
-    start = ptx.index(f".entry {function}(")
-    header = ptx[start:ptx.index(")", start)]
-    return [_PTX_BYTES[ty[1:]] for ty, _ in _PTX_PARAM.findall(header)]
 
 
 def entry_for(kernel, args: tuple, meta: dict, compiled) -> dict:
     """The manifest entry of one compiled variant (its cubin is ``compiled.asm['cubin']``)."""
     md = compiled.metadata
-    name = md.name
-    refused = [why for why, bad in (
-        ("global scratch memory", md.global_scratch_size), ("profile scratch memory", md.profile_scratch_size),
-        ("thread-block clusters", md.num_ctas != 1), ("programmatic dependent launch", md.launch_pdl),
-        ("a cooperative grid", md.launch_cooperative_grid),
-        ("tensor descriptors", getattr(md, "tensordesc_meta", None)),
-    ) if bad]
-    if refused:
-        raise ValueError(f"{name}: needs {', '.join(refused)}, which the shipped-binary loader does not set up")
-    types = list(compiled.src.signature.values())
-    if any(isinstance(t, tuple) for t in types):
-        raise ValueError(f"{name}: tuple arguments are not supported by the shipped-binary loader")
-    if any(t != "constexpr" for t in types[len(args):]):
-        raise ValueError(f"{name}: a parameter after the positional arguments is not a constexpr")
-    codes = "".join(cuda.param_code(t) for t in types[:len(args)])
-    declared = ptx_param_sizes(compiled.asm["ptx"], name)
-    expected = cuda.LaunchLayout(codes).param_sizes()
-    if declared != expected:
-        raise ValueError(f"{name}: the PTX declares parameters of {declared} bytes, the signature gives {expected} "
-                         "(a Triton whose kernel ABI this loader does not know)")
+    codes = cuda.launch_codes(compiled, len(args))
     cubin = compiled.asm["cubin"]
-    return {"kernel": name, "function": name, "file": hashlib.sha256(cubin).hexdigest()[:24] + ".cubin",
+    return {"kernel": md.name, "function": md.name, "file": hashlib.sha256(cubin).hexdigest()[:24] + ".cubin",
             "num_warps": md.num_warps, "shared": md.shared, "params": codes}
 
 
@@ -134,9 +104,8 @@ def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, 
     import triton
     import torch
 
-    kernels, file_keys = {}, {}
+    file_keys = {}
     for kernel, _, _ in todo:
-        kernels.setdefault(kernel_name(kernel), source_hash(kernel))
         file_keys.setdefault(kernel_name(kernel), file_key(kernel))
     major, minor = ptxas_release()
     manifest = {
@@ -144,7 +113,6 @@ def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, 
         "built_with": {"triton": triton.__version__, "torch": torch.__version__, "ptxas": f"{major}.{minor}"},
         # a cubin needs a driver of its ptxas' major CUDA release or newer (minor-version compatibility)
         "cuda_driver": major * 1000,
-        "kernels": dict(sorted(kernels.items())),
         "file_keys": dict(sorted(file_keys.items())),
         "variants": dict(sorted(entries.items())),
     }

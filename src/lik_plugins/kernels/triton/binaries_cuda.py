@@ -17,6 +17,7 @@ tensors' addresses.
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 import threading
 
@@ -50,6 +51,49 @@ def param_code(triton_type: str) -> str:
     if code is None:
         raise ValueError(f"no shipped-binary parameter for Triton type {triton_type!r}")
     return code
+
+
+_PTX_PARAM = re.compile(r"\.param\s+\.(\w+)(?:\s+\.ptr)?(?:\s+\.global)?(?:\s+\.align\s+\d+)?\s+(\w+)")
+_PTX_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
+
+
+def ptx_param_sizes(ptx: str, function: str) -> list[int]:
+    """The sizes of the parameters the PTX entry ``function`` declares, in order."""
+    start = ptx.index(f".entry {function}(")
+    header = ptx[start:ptx.index(")", start)]
+    return [_PTX_BYTES[ty[1:]] for ty, _ in _PTX_PARAM.findall(header)]
+
+
+def launch_codes(compiled, n_args: int) -> str:
+    """The parameter codes of a Triton-compiled kernel launched with ``n_args`` positional
+    arguments: which of them Triton kept as parameters and with which type, read from its
+    compiled signature and checked against the parameters its PTX entry declares (count and
+    sizes, the scratch pointers last), so a Triton whose kernel ABI differs is refused here,
+    never at a launch.  Kernels that need more than a plain ``cuLaunchKernel`` (scratch
+    memory, clusters, programmatic dependent launch, cooperative grids, tensor descriptors)
+    are refused too.  ``ValueError`` says why."""
+    md = compiled.metadata
+    name = md.name
+    refused = [why for why, bad in (
+        ("global scratch memory", md.global_scratch_size), ("profile scratch memory", md.profile_scratch_size),
+        ("thread-block clusters", md.num_ctas != 1), ("programmatic dependent launch", md.launch_pdl),
+        ("a cooperative grid", md.launch_cooperative_grid),
+        ("tensor descriptors", getattr(md, "tensordesc_meta", None)),
+    ) if bad]
+    if refused:
+        raise ValueError(f"{name}: needs {', '.join(refused)}, which a launch through the driver does not set up")
+    types = list(compiled.src.signature.values())
+    if any(isinstance(t, tuple) for t in types):
+        raise ValueError(f"{name}: tuple arguments are not supported by a launch through the driver")
+    if any(t != "constexpr" for t in types[n_args:]):
+        raise ValueError(f"{name}: a parameter after the positional arguments is not a constexpr")
+    codes = "".join(param_code(t) for t in types[:n_args])
+    declared = ptx_param_sizes(compiled.asm["ptx"], name)
+    expected = LaunchLayout(codes).param_sizes()
+    if declared != expected:
+        raise ValueError(f"{name}: the PTX declares parameters of {declared} bytes, the signature gives {expected} "
+                         "(a Triton whose kernel ABI this launcher does not know)")
+    return codes
 
 
 class LaunchLayout:

@@ -17,19 +17,23 @@ JIT as before, and :func:`diagnostics` says why.
 
 Nothing here imports Triton's compiler or driver: the binaries load through the CUDA
 driver API, so the installed Triton's version does not matter, only the kernels' source
-(each kernel's :func:`source_hash`, checked against the manifest: a kernel edited since the
-binaries were built compiles through the JIT instead).  Before the first shipped launch on
-a device, the self-check kernel's binary runs twice (other lengths, another scalar) and its
-output is compared with the values it must write; any failure there -- no ``libcuda``, a
-driver older than the binaries, a load error, a wrong value -- leaves the device on the
-JIT path, with the reason.  On by default; ``LIK_SHIPPED_BINARIES=0`` turns it off.
+(each kernel's :func:`file_key`, checked against the manifest: a kernel whose files were
+edited since the binaries were built compiles through the JIT instead).  Before the first
+shipped launch on a device, the self-check kernel's binary runs twice (other lengths,
+another scalar) and its output is compared with the values it must write; any failure
+there -- no ``libcuda``, a driver older than the binaries, a load error, a wrong value --
+leaves the device on the JIT path, with the reason.  On by default;
+``LIK_SHIPPED_BINARIES=0`` turns it off.
+
+The JIT's own binaries launch through the same driver call (:func:`from_jit`): after a
+plan's first launch through the JIT, its compiled kernel is wrapped like a shipped one, so
+later launches skip the JIT's per-call argument handling.  Where no shipped binary checked
+the driver path on that device, the self-check kernel, compiled by the JIT, checks it first.
 """
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
-import linecache
 import threading
 import types
 import zipfile
@@ -41,7 +45,7 @@ from . import binaries_cuda as cuda
 from .variants import CHECK_CALLS, CHECK_META, group, self_check_kernel, serves, specialisation, variant
 
 BINARIES_DIR = Path(__file__).with_name("binaries")
-FORMAT = 2
+FORMAT = 3
 MANIFEST = "manifest.json"         # the archive's member naming the others
 _PACKAGE = __name__.split(".")[0] + "."
 
@@ -52,26 +56,50 @@ _stale: dict = {}                  # kernel name -> reason its binaries are not 
 _missing: dict = {}                # kernel name -> launches with no shipped binary
 _unserved: dict = {}               # kernel name -> the first of those launches' variant keys
 _UNSERVED_KEPT = 16
-_hashes: dict = {}                 # id(kernel) -> source_hash(kernel)
 _file_keys: dict = {}              # id(kernel) -> file_key(kernel)
+_driver_checked: dict = {}         # ordinal -> True, or why the JIT's binaries stay on the JIT's launcher
 _UNSEEN = object()
 
 
-def source_hash(kernel) -> str:
-    """A digest of a Triton kernel's code and of what it reads at compile time: the syntax
-    tree of every JIT function of the package it calls (through a global name or a module
-    attribute), transitively, and the values of the plain constants it names.  Syntax
-    trees, not text: reformatting, comments and docstrings do not change the binary, so
-    they do not retire it."""
-    return _digest(kernel, lambda fn: _syntax(fn.__code__))
-
-
 def file_key(kernel) -> str:
-    """:func:`source_hash`'s walk with each function's file bytes and place in place of its
-    syntax tree: equal to the build's key, the source is the build's, so the loader skips
-    parsing (the tree digest costs a user's first step tens of milliseconds); any edit of
-    those files, a comment included, falls back to comparing syntax trees."""
-    return _digest(kernel, lambda fn: f"{_file_sha(fn.__code__.co_filename)}:{fn.__code__.co_firstlineno}")
+    """A digest of the files a Triton kernel's binary is compiled from: the bytes and place
+    of its code's file and of every JIT function of the package it calls (through a global
+    name or a module attribute), transitively, and the values of the plain constants it
+    names.  Equal to the build's, the source is the build's; any edit of those files, a
+    comment included, retires the binaries until they are rebuilt (a CPU test names the
+    rebuild)."""
+    digest = hashlib.sha256()
+    seen: set = set()
+
+    def visit(jit) -> None:
+        fn = getattr(jit, "fn", jit)
+        fn = getattr(fn, "fn", fn)                  # an Autotuner wraps the JIT function
+        if id(fn) in seen:
+            return
+        seen.add(id(fn))
+        digest.update(f"{_file_sha(fn.__code__.co_filename)}:{fn.__code__.co_firstlineno}".encode())
+        names = set().union(*(c.co_names for c in _codes(fn.__code__)))
+        for name in sorted(names):
+            value = fn.__globals__.get(name)
+            if isinstance(value, types.ModuleType):
+                for attr in sorted(names):
+                    note(getattr(value, attr, None), f"{name}.{attr}")
+            else:
+                note(value, name)
+
+    def note(value, label) -> None:
+        if value is None:
+            return
+        if hasattr(value, "fn") and callable(value):
+            # our JIT functions only: Triton's own (``tl.max``, ...) belong to the compiler
+            # that built the binary, and hashing them would tie the key to a Triton release
+            if getattr(getattr(value, "fn", None), "__module__", "").startswith(_PACKAGE):
+                visit(value)
+        elif isinstance(value, (bool, int, float, str)) or type(value).__name__ == "constexpr":
+            digest.update(f"{label}={getattr(value, 'value', value)!r};".encode())
+
+    visit(kernel)
+    return digest.hexdigest()
 
 
 _file_shas: dict = {}              # file name -> sha256 of its bytes
@@ -85,75 +113,6 @@ def _file_sha(filename: str) -> str:
     return value
 
 
-def _digest(kernel, code_text) -> str:
-    digest = hashlib.sha256()
-    seen: set = set()
-
-    def visit(jit) -> None:
-        fn = getattr(jit, "fn", jit)
-        fn = getattr(fn, "fn", fn)                  # an Autotuner wraps the JIT function
-        if id(fn) in seen:
-            return
-        seen.add(id(fn))
-        digest.update(code_text(fn).encode())
-        names = _names(fn.__code__)
-        scope = fn.__globals__
-        for name in sorted(names):
-            value = scope.get(name)
-            if isinstance(value, types.ModuleType):
-                for attr in sorted(names):
-                    _note(getattr(value, attr, None), f"{name}.{attr}", visit)
-            else:
-                _note(value, name, visit)
-
-    def _note(value, label, visit_jit) -> None:
-        if value is None:
-            return
-        if hasattr(value, "fn") and callable(value):
-            # our JIT functions only: Triton's own (``tl.max``, ...) belong to the compiler
-            # that built the binary, and hashing them would tie the key to a Triton release
-            if getattr(getattr(value, "fn", None), "__module__", "").startswith(_PACKAGE):
-                visit_jit(value)
-        elif isinstance(value, (bool, int, float, str)) or type(value).__name__ == "constexpr":
-            digest.update(f"{label}={getattr(value, 'value', value)!r};".encode())
-
-    visit(kernel)
-    return digest.hexdigest()
-
-
-_trees: dict = {}                  # file name -> its parsed module
-
-
-def _syntax(code) -> str:
-    """The function's syntax tree (decorators included, docstring left out) as text: its
-    file parsed once (``inspect.getsource`` tokenises the whole file for each function)."""
-    tree = _trees.get(code.co_filename)
-    if tree is None:
-        tree = _trees[code.co_filename] = ast.parse("".join(linecache.getlines(code.co_filename)))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == code.co_name and \
-                (node.decorator_list[0].lineno if node.decorator_list else node.lineno) == code.co_firstlineno:
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
-                body = body[1:]
-            return _canonical([node.decorator_list, node.args, body])
-    raise LookupError(f"{code.co_name}: not found in {code.co_filename}")
-
-
-def _canonical(node) -> str:
-    """A syntax tree as text that does not depend on the Python release: ``ast.dump``'s
-    output changes between releases (3.13 leaves empty fields out, new releases add
-    fields), so empty and absent fields are left out here on every release."""
-    if isinstance(node, ast.AST):
-        fields = [(name, getattr(node, name, None)) for name in node._fields]
-        return type(node).__name__ + "(" + ",".join(
-            f"{name}={_canonical(value)}" for name, value in fields if value is not None and value != []) + ")"
-    if isinstance(node, list):
-        return "[" + ",".join(_canonical(value) for value in node) + "]"
-    return repr(node)
-
-
 def _codes(code):
     yield code
     for const in code.co_consts:
@@ -161,24 +120,12 @@ def _codes(code):
             yield from _codes(const)
 
 
-def _names(code) -> set:
-    return set().union(*(c.co_names for c in _codes(code)))
-
-
 def _same_source(kernel, name: str, device) -> bool:
-    """Whether ``kernel`` is the source ``device``'s binaries were built from: its file key
-    as the build's (cheap), else its syntax-tree digest as the build's."""
-    built = device.file_keys.get(name)
-    if built is not None and _once(_file_keys, kernel, file_key) == built:
-        return True
-    return device.kernels.get(name) == _once(_hashes, kernel, source_hash)
-
-
-def _once(cache: dict, kernel, compute) -> str:
-    value = cache.get(id(kernel))
-    if value is None:
-        value = cache[id(kernel)] = compute(kernel)
-    return value
+    """Whether ``kernel`` is the source ``device``'s binaries were built from."""
+    key = _file_keys.get(id(kernel))
+    if key is None:
+        key = _file_keys[id(kernel)] = file_key(kernel)
+    return key == device.file_keys.get(name)
 
 
 def archive_path(arch: str, root: Path | None = None) -> Path:
@@ -210,8 +157,7 @@ class _Device:
         self._archive: zipfile.ZipFile | None = None
         self._read_lock = threading.Lock()      # one ZipFile, read from the threads that launch
         self.entries = manifest["variants"]
-        self.kernels = manifest["kernels"]
-        self.file_keys = manifest.get("file_keys", {})
+        self.file_keys = manifest["file_keys"]
         self.loaded: dict = {}
         self.chosen: dict = {}             # a launch's variant -> the key of the binary serving it, or None
         self.served: dict = {}             # a launch's variant -> its loaded binary (find's first look)
@@ -296,32 +242,85 @@ def _open_device(ordinal: int):
         if have < need:
             return f"the CUDA driver ({have}) is older than the binaries need ({need})"
         device = _Device(driver, ordinal, arch, manifest, root)
-        if not _self_check(device):
+        if not _self_check(ordinal, _shipped_check_binary(device)):
             return "the shipped self-check kernel wrote other values than it must"
     except Exception as exc:    # a load or launch error of the check: this device stays on the JIT
         return f"the shipped self-check failed ({type(exc).__name__}: {exc})"
     return device
 
 
-def _self_check(device: _Device) -> bool:
-    """Two launches of the shipped self-check binary with other lengths, scalars and
-    outputs; results copied to the host and compared there (no other GPU kernel runs).
-    On a stream of its own: the copies wait for the check's launches, not for the work the
-    caller queued before its first launch (a step's encoder forward)."""
+def _self_check(ordinal: int, binary_for) -> bool:
+    """Two launches through the driver of the self-check kernel's binary (``binary_for(args)``)
+    with other lengths, scalars and outputs; results copied to the host and compared there
+    (no other GPU kernel runs).  On a stream of its own: the copies wait for the check's
+    launches, not for the work the caller queued before its first launch (a step's encoder
+    forward)."""
     x_host = torch.arange(100, dtype=torch.float32)
-    side = torch.cuda.Stream(device.ordinal)
+    side = torch.cuda.Stream(ordinal)
     with torch.cuda.stream(side):
-        x = x_host.to(f"cuda:{device.ordinal}")
+        x = x_host.to(f"cuda:{ordinal}")
         outs = [torch.full((100,), -1.0).to(x.device) for _ in CHECK_CALLS]
         for out, (n, scale) in zip(outs, CHECK_CALLS):
             args = (x, out, n, scale)
-            shipped = device.kernel(variant_key(variant(self_check_kernel, args, CHECK_META)))
-            if shipped is None:
+            binary = binary_for(args)
+            if binary is None:
                 return False
-            shipped((2,), side.cuda_stream, args)
+            binary((2,), side.cuda_stream, args)
         got = [o.cpu() for o in outs]
     want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in CHECK_CALLS]
     return all(torch.equal(o, w) for o, w in zip(got, want))
+
+
+def _shipped_check_binary(device: _Device):
+    return lambda args: device.kernel(variant_key(variant(self_check_kernel, args, CHECK_META)))
+
+
+def from_jit(compiled, n_args: int, ordinal: int):
+    """``compiled`` (the JIT's binary of a launch with ``n_args`` positional arguments, loaded
+    by that launch) as a :class:`binaries_cuda.ShippedKernel` that launches it through the
+    driver; ``None`` where the driver path is not usable here or the kernel needs more than
+    it sets up (:func:`diagnostics` says why): the caller keeps launching through the JIT."""
+    driver = _open_driver()
+    if isinstance(driver, str) or _driver_launches_ok(ordinal) is not True:
+        return None
+    try:
+        return _wrap(driver, compiled, n_args, ordinal)
+    except ValueError as exc:
+        _stale.setdefault(compiled.metadata.name, f"launched through the JIT: {exc}")
+        return None
+
+
+def _wrap(driver, compiled, n_args: int, ordinal: int) -> cuda.ShippedKernel:
+    codes = cuda.launch_codes(compiled, n_args)
+    if compiled.function is None:
+        compiled.run                       # Triton loads the binary onto the device on first use of ``run``
+    md = compiled.metadata
+    return cuda.ShippedKernel(md.name, driver, compiled.function, md.num_warps, md.shared, cuda.LaunchLayout(codes),
+                              ordinal)
+
+
+def _driver_launches_ok(ordinal: int):
+    """True where launches through the driver were checked on the device: by the shipped
+    self-check, else by the self-check kernel compiled through the JIT; else the reason."""
+    ok = _driver_checked.get(ordinal)
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return "not checked yet (the self-check copies to the host, which a CUDA graph's capture forbids)"
+        device = _devices.get(ordinal)
+        if isinstance(device, _Device):
+            ok = True
+        else:
+            try:
+                driver = _open_driver()
+                x = torch.empty(100, device=f"cuda:{ordinal}")
+                compiled = self_check_kernel.warmup(x, x, *CHECK_CALLS[0], grid=(2,), **CHECK_META)
+                binary = _wrap(driver, compiled, 4, ordinal)
+                ok = _self_check(ordinal, lambda args: binary) or \
+                    "the self-check kernel, launched through the driver, wrote other values than it must"
+            except Exception as exc:   # a load or launch error: the JIT's own launcher stays
+                ok = f"the driver-launch self-check failed ({type(exc).__name__}: {exc})"
+        _driver_checked[ordinal] = ok
+    return ok
 
 
 def variant_key(variant: tuple) -> str:
@@ -351,12 +350,12 @@ def find(kernel, variant: tuple, ordinal: int):
         return None
     try:
         same = _same_source(kernel, name, device)
-    except (OSError, SyntaxError, LookupError) as exc:    # no source to check (a .pyc-only install)
+    except OSError as exc:    # no source to check (a .pyc-only install)
         _stale[name] = f"{name}: its source cannot be read to check the binaries ({type(exc).__name__}: {exc})"
         return None
     if not same:
         _stale[name] = (f"{name}: its source differs from the one the {device.arch} binaries were built from"
-                        if name in device.kernels else f"{name}: not among the shipped kernels")
+                        if name in device.file_keys else f"{name}: not among the shipped kernels")
         return None
     try:
         key = device.key_for(variant)
@@ -376,15 +375,17 @@ def find(kernel, variant: tuple, ordinal: int):
 
 def diagnostics() -> dict:
     """What the shipped binaries serve in this process and, where they serve nothing, why:
-    ``devices`` (ordinal -> architecture and loaded variants, or the reason), ``kernels``
-    whose binaries are not used (name -> reason), ``missing`` (name -> launches of a variant
+    ``devices`` (ordinal -> architecture and loaded variants, or the reason),
+    ``driver_launch`` (ordinal -> True where the JIT's binaries launch through the driver,
+    else the reason), ``kernels`` whose binaries are not used (name -> reason), ``missing`` (name -> launches of a variant
     no shipped binary serves, which went through the JIT) and ``unserved`` (name -> the
     first of those variants' keys: what a wider precompile grid would add)."""
     devices = {}
     for ordinal, device in sorted(_devices.items()):
         devices[ordinal] = device if isinstance(device, str) else {
             "arch": device.arch, "shipped": len(device.entries), "loaded": len(device.loaded)}
-    return {"devices": devices, "kernels": dict(_stale), "missing": dict(_missing),
+    return {"devices": devices, "driver_launch": dict(_driver_checked), "kernels": dict(_stale),
+            "missing": dict(_missing),
             "unserved": {name: list(keys) for name, keys in _unserved.items()}}
 
 
@@ -395,7 +396,6 @@ def reset() -> None:
     _stale.clear()
     _missing.clear()
     _unserved.clear()
-    _hashes.clear()
     _file_keys.clear()
     _file_shas.clear()
-    _trees.clear()
+    _driver_checked.clear()

@@ -137,8 +137,8 @@ def kernel_name(kernel) -> str:
 
 @triton.jit(do_not_specialize=["n"])
 def self_check_kernel(X, OUT, n, scale, BLOCK: tl.constexpr):
-    """``OUT[i] = X[i] * scale`` for ``i < n``: the launch paths' self-check (``direct.replay_ok``,
-    the shipped binaries' check)."""
+    """``OUT[i] = X[i] * scale`` for ``i < n``: the self-check of launches through the driver
+    (``binaries_loader``)."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(OUT + o, tl.load(X + o, mask=o < n) * scale, mask=o < n)
 
