@@ -123,13 +123,10 @@ def _read_index(path: str, device: torch.device) -> FastPlaidIndex:
         # chunk by chunk to the device: one host copy of a chunk at a time, never the index
         codes.append(torch.from_numpy(load(f"{chunk}.codes.npy")[:n].astype(np.int32)).to(device))
         residuals.append(torch.from_numpy(np.ascontiguousarray(load(f"{chunk}.residuals.npy")[:n])).to(device))
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
+    offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     if offsets[-1] >= 2**31:
         raise ValueError(f"{path}: {offsets[-1]} tokens; at most 2**31 - 1 are supported")
-    ivf_lengths = load("ivf_lengths.npy").astype(np.int64)
-    ivf_offsets = np.zeros(ivf_lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(ivf_lengths, out=ivf_offsets[1:])
+    ivf_offsets = np.concatenate(([0], np.cumsum(load("ivf_lengths.npy"), dtype=np.int64)))
     return FastPlaidIndex(
         centroids=torch.from_numpy(load("centroids.npy")).to(device, torch.float16).contiguous(),
         bucket_weights=torch.from_numpy(load("bucket_weights.npy")).to(device, torch.float32),
@@ -215,7 +212,7 @@ def _keep_best(approx: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.T
     return approx.masked_fill(excess, float("-inf")).topk(n_keep, dim=1)
 
 
-def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: int, n_rerank: int,
+def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, out_k: int, n_ivf_probe: int, n_rerank: int,
                   subset: list | None):
     from .kernels.triton import operands, plaid_probe
 
@@ -259,7 +256,6 @@ def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, k: int, n_ivf_probe: i
     exact = exact.reshape(nq, n_keep).masked_fill(top_approx == float("-inf"), float("-inf"))
     # 6. top k: a stable sort, so equal scores keep the order above
     scores, at = exact.sort(dim=1, descending=True, stable=True)
-    out_k = min(k, n_keep)
     return scores[:, :out_k], picked.gather(1, at[:, :out_k])
 
 
@@ -314,6 +310,6 @@ def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_p
     step = _batch_size(index, lq, n_rerank)
     if subset is not None and len(subset) != nq:
         raise ValueError(f"subset must hold one list per query ({nq}), got {len(subset)}")
-    parts = [_search_batch(index, Q[i:i + step], k, n_ivf_probe, n_rerank,
+    parts = [_search_batch(index, Q[i:i + step], out_k, n_ivf_probe, n_rerank,
                            None if subset is None else subset[i:i + step]) for i in range(0, nq, step)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
