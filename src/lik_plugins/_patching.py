@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 import functools
+import sys
 import threading
 from typing import Any, Callable
 
@@ -64,7 +65,6 @@ class PatchLock:
 class _Change:
     owner: Any
     name: str
-    original: Any
     restore: Callable[[], None]
 
 
@@ -114,6 +114,23 @@ class PatchLedger:
                 if hasattr(function, "__defaults__") and owns(function) and not self.changed(function, "__defaults__"):
                     self.replace_defaults(function, table)
 
+    def serve(self, prefix: str, to_adapter: dict, slots: list, doc: str,
+              owns: Callable[[Any], bool] = lambda f: True) -> None:
+        """Every capture point of one host: in each module named ``prefix`` or ``prefix.*``,
+        the globals (found by identity: re-exports) and the defaults bound at import time
+        (:meth:`replace_module_defaults`); then the instance ``slots`` (``(class, attribute)``)
+        of objects built before the patch, each becoming an :func:`instance_slot_property`."""
+        to_original = {adapter: original for original, adapter in to_adapter.items()}
+        modules = [m for n, m in list(sys.modules.items())
+                   if m is not None and (n == prefix or n.startswith(prefix + "."))]
+        for module in modules:
+            self.replace_globals(module, to_adapter)
+            self.replace_module_defaults(module, to_adapter, owns=owns)
+        for cls, attr in slots:
+            if self.changed(cls, attr) or isinstance(vars(cls).get(attr), property):
+                continue  # done already, or the host made it a property itself: leave it alone
+            self.set_attr(cls, attr, instance_slot_property(attr, to_adapter, to_original, doc=f"{attr} ({doc})"))
+
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         """``setattr(owner, name, value)``, keeping the raw original from ``owner.__dict__``.
 
@@ -133,23 +150,14 @@ class PatchLedger:
                 setattr(owner, name, original)
 
         setattr(owner, name, value)
-        self.changes.append(_Change(owner, name, original, restore))
+        self.changes.append(_Change(owner, name, restore))
 
     def _set_defaults(self, function: Any, slot: str, value: tuple | dict) -> None:
         """Replace a function's ``__defaults__`` or ``__kwdefaults__``, keeping a copy of the original."""
         original = getattr(function, slot)
         original = dict(original) if isinstance(original, dict) else original
         setattr(function, slot, value)
-        self.changes.append(_Change(function, slot, original, lambda: setattr(function, slot, original)))
-
-    def original(self, owner: Any, name: str, default: Any = _MISSING) -> Any:
-        """The value that was there before the first change of ``owner.name``."""
-        for change in self.changes:
-            if change.owner is owner and change.name == name:
-                return change.original
-        if default is _MISSING:
-            raise KeyError(f"{self.host}: {owner!r}.{name} was not patched")
-        return default
+        self.changes.append(_Change(function, slot, lambda: setattr(function, slot, original)))
 
     def revert(self) -> None:
         for change in reversed(self.changes):

@@ -24,9 +24,8 @@ imported, the retrievers included): one packed launch over every query's candida
 from __future__ import annotations
 
 import sys
-from typing import Any
 
-from .._patching import PatchLedger, PatchLock, instance_slot_property, lookalike
+from .._patching import PatchLedger, PatchLock, lookalike
 from . import _layout as layout_mod
 from . import _plaid_search, _rerank, _scores
 
@@ -40,71 +39,44 @@ _served: dict = {}
 _ADAPTERS = {**_scores.ADAPTERS, "rerank": _rerank.rerank}
 
 
-def _lookalikes(layout: layout_mod.PyLateLayout) -> dict:
-    """``{original: adapter}``, each adapter carrying its original's name, module, docstring
-    and signature, so PyLate's doctests are still collected and run through the patch."""
-    if not _served:
-        for name in (*layout_mod.FUNCTIONS, *(n for n in layout_mod.LOOPS if n in layout.originals)):
-            original = layout.originals[name]
-            _served[original] = lookalike(_ADAPTERS[name], original)
-        call = layout.originals.get("ColBERTScores.__call__")
-        if call is not None:
-            _served[call] = lookalike(_scores.colbert_scores_call, call)
-    return _served
-
-
-def _pylate_modules() -> list:
-    return [m for n, m in list(sys.modules.items()) if m is not None and (n == "pylate" or n.startswith("pylate."))]
-
-
-def _defined_in_pylate(obj: Any) -> bool:
-    return str(getattr(obj, "__module__", "") or "").startswith("pylate")
-
-
 def _apply(layout: layout_mod.PyLateLayout) -> None:
-    served = _lookalikes(layout)
+    # One lookalike per original, each carrying its original's name, module, docstring and
+    # signature, so PyLate's doctests are still collected and run through the patch.
     names = (*layout_mod.FUNCTIONS, *(n for n in layout_mod.LOOPS if n in layout.originals))
-    to_adapter = {layout.originals[n]: served[layout.originals[n]] for n in names}
-    to_original = {adapter: original for original, adapter in to_adapter.items()}
-
-    for module in _pylate_modules():
-        # 1. module globals (found by identity: covers re-exports in every release)
-        _ledger.replace_globals(module, to_adapter)
-        # 2. default arguments bound at import time
-        _ledger.replace_module_defaults(module, to_adapter, owns=_defined_in_pylate)
-
-    # 3. instance slots of objects built before the patch
-    for module_name, class_name, attr in layout_mod.INSTANCE_SLOTS:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, class_name, None) if module is not None else None
-        if cls is None or _ledger.changed(cls, attr):
-            continue
-        if isinstance(vars(cls).get(attr), property):
-            continue  # the host made it a property itself: leave it alone
-        _ledger.set_attr(cls, attr, instance_slot_property(attr, to_adapter, to_original, doc=f"{attr} (PyLate scorers served by lik_plugins)"))
+    if not _served:
+        for name in names:
+            _served[layout.originals[name]] = lookalike(_ADAPTERS[name], layout.originals[name])
+    to_adapter = {layout.originals[n]: _served[layout.originals[n]] for n in names}
+    # 1.-3. module globals, defaults bound at import time, instance slots of objects built before
+    slots = [(cls, attr) for module, class_name, attr in layout_mod.INSTANCE_SLOTS
+             if (cls := getattr(sys.modules.get(module), class_name, None)) is not None]
+    _ledger.serve("pylate", to_adapter, slots, "PyLate scorers served by lik_plugins",
+                  owns=lambda obj: str(getattr(obj, "__module__", "") or "").startswith("pylate"))
 
     # 4. ColBERTScores: one fused call over all document groups (1.5.0 and newer)
-    cls = layout.colbert_scores_class
-    if cls is not None and not _ledger.changed(cls, "__call__"):
-        _ledger.set_attr(cls, "__call__", served[layout.originals["ColBERTScores.__call__"]])
+    if layout.colbert_scores_class is not None:
+        _serve_method(layout.colbert_scores_class, "__call__", lambda _: _scores.colbert_scores_call)
 
     # 5. PLAID search: fast-plaid's FastPlaid.search, where PyLate's indexes.PLAID hands it over
     module_name, class_name, method = layout_mod.PLAID_SEARCH
-    module = layout_mod.import_optional(module_name)
-    cls = getattr(module, class_name, None) if module is not None else None
-    if cls is not None and method in vars(cls) and not _ledger.changed(cls, method):
-        original = vars(cls)[method]
-        _ledger.set_attr(cls, method, lookalike(_plaid_search.make_search(original), original))
+    _serve_method(getattr(layout_mod.import_optional(module_name), class_name, None), method,
+                  _plaid_search.make_search)
     module_name, class_name, call, loaders = layout_mod.PLAID_MAPPINGS
-    module = layout_mod.import_optional(module_name)
-    cls = getattr(module, class_name, None) if module is not None else None
-    if cls is not None and call in vars(cls) and not _ledger.changed(cls, call):
-        original = vars(cls)[call]
-        _ledger.set_attr(cls, call, lookalike(_plaid_search.make_call(original), original))
+    cls = getattr(layout_mod.import_optional(module_name), class_name, None)
+    if _serve_method(cls, call, _plaid_search.make_call):
         for name in loaders:
-            if name in vars(cls):
-                original = vars(cls)[name]
-                _ledger.set_attr(cls, name, lookalike(_plaid_search.make_loader(original, name), original))
+            _serve_method(cls, name, lambda original, name=name: _plaid_search.make_loader(original, name))
+
+
+def _serve_method(cls: type | None, method: str, make) -> bool:
+    """``cls.method`` (defined on ``cls`` itself) becomes a lookalike of ``make(original)``,
+    once; whether it is served by us now."""
+    if cls is None or method not in vars(cls):
+        return False
+    if not _ledger.changed(cls, method):
+        original = vars(cls)[method]
+        _ledger.set_attr(cls, method, lookalike(make(original), original))
+    return True
 
 
 def patch_pylate() -> layout_mod.PyLateLayout:

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .._patching import PatchLedger, PatchLock, instance_slot_property, lookalike
+from .._patching import PatchLedger, PatchLock, lookalike
 from . import _scores
 
 SIMILARITY = "sentence_transformers.util.similarity"
@@ -84,14 +84,6 @@ def detect() -> STLayout:
     return STLayout(version=version, originals=originals)
 
 
-def _st_modules() -> list:
-    return [
-        m
-        for n, m in list(sys.modules.items())
-        if m is not None and (n == "sentence_transformers" or n.startswith("sentence_transformers."))
-    ]
-
-
 def _instance_slots() -> list[tuple[type, str]]:
     slots = []
     model = getattr(sys.modules.get(MODEL), "MultiVectorEncoder", None)
@@ -104,22 +96,6 @@ def _instance_slots() -> list[tuple[type, str]]:
             if isinstance(value, type) and value.__module__ == name and hasattr(value, "forward"):
                 slots.append((value, "similarity_fct"))
     return slots
-
-
-def _apply(served: dict) -> None:
-    to_adapter = dict(served)
-    to_original = {adapter: original for original, adapter in served.items()}
-    for module in _st_modules():
-        # 1. module globals, found by identity (re-exports, the losses' imports)
-        _ledger.replace_globals(module, to_adapter)
-        # 2. defaults bound at definition time (none in 6.0 - 6.2; a later 6.x may add some)
-        _ledger.replace_module_defaults(module, to_adapter)
-    # 3. instances built before the patch: losses' similarity_fct, models' resolved similarity
-    for cls, attr in _instance_slots():
-        if _ledger.changed(cls, attr) or isinstance(vars(cls).get(attr), property):
-            continue
-        doc = f"{attr} (sentence-transformers scorers served by lik_plugins)"
-        _ledger.set_attr(cls, attr, instance_slot_property(attr, to_adapter, to_original, doc=doc))
 
 
 _served: dict = {}
@@ -171,7 +147,11 @@ def _patch() -> STLayout:
         for name, original in layout.originals.items():
             _served[original] = lookalike(adapters[name], original)
     _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
-    _apply(_served)
+    # module globals (re-exports, the losses' imports), defaults bound at definition time (none
+    # in 6.0 - 6.2; a later 6.x may add some), and the instances built before the patch:
+    # losses' similarity_fct, models' resolved similarity
+    _ledger.serve("sentence_transformers", dict(_served), _instance_slots(),
+                  "sentence-transformers scorers served by lik_plugins")
     _current = layout
     return layout
 
