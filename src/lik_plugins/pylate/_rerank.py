@@ -43,52 +43,30 @@ under the same backend rules as the scoring adapters (``PYLATE_SCORES_BACKEND`` 
 """
 from __future__ import annotations
 
+import functools
 from operator import itemgetter
 
 import torch
 
-from .._config import disabled
-from .._routing import record
 from . import _scores
 from ._scores import SUPPORTED_DTYPES, _Fallback
-
-ENTRY = "pylate.rerank"
 
 
 def rerank(documents_ids, queries_embeddings, documents_embeddings, device=None):
     """``pylate.rank.rerank`` served by ``lik_plugins``: one launch over every query's
     candidates where they lie, PyLate's output structure and ordering."""
-    layout = _scores._layout
-    original = layout.originals["rerank"]
     args = (documents_ids, queries_embeddings, documents_embeddings, device)
-    choice = None if not _scores._active or disabled() else _scores.requested_backend(None)
-    if choice in (None, "torch", "flash"):        # not patched, switched off, or PyLate's own backend asked for
-        record(ENTRY, "original")
+    return _scores._dispatch("rerank", args, None, _prepare, takes_backend=False)
+
+
+def _host_loop(original, args):
+    """PyLate's loop, all of it (its ``colbert_scores`` calls too): the faster path where the
+    kernels do not run."""
+    _scores.host_loop.active = True
+    try:
         return original(*args)
-    plan = _prepare(layout, *args)
-    if isinstance(plan, _HostLoop):
-        # PyLate's loop, all of it (its colbert_scores too): the faster path here
-        record(ENTRY, "original")
-        _scores.host_loop.active = True
-        try:
-            return original(*args)
-        finally:
-            _scores.host_loop.active = False
-    if isinstance(plan, _Fallback):
-        if choice == "lik" and plan.strict:
-            raise RuntimeError(f"backend='lik': lik_plugins cannot serve this rerank call ({plan.reason})")
-        record(ENTRY, "original")
-        return original(*args)
-    path, run = plan
-    record(ENTRY, path)
-    from ..kernels.triton.listed import paused_gc
-
-    with paused_gc():        # a result dict per candidate (listed.paused_gc says why)
-        return run()
-
-
-class _HostLoop(_Fallback):
-    """Where the kernels do not run: PyLate's own loop, measured faster on a CPU."""
+    finally:
+        _scores.host_loop.active = False
 
 
 def _as_queries(queries_embeddings):
@@ -98,7 +76,8 @@ def _as_queries(queries_embeddings):
     return queries_embeddings
 
 
-def _prepare(layout, documents_ids, queries_embeddings, documents_embeddings, device):
+def _prepare(documents_ids, queries_embeddings, documents_embeddings, device):
+    layout = _scores._layout
     convert = layout.convert_to_tensor
     try:
         groups = list(zip(_as_queries(queries_embeddings), documents_ids, _as_queries(documents_embeddings)))
@@ -121,10 +100,10 @@ def _prepare(layout, documents_ids, queries_embeddings, documents_embeddings, de
     target = torch.device(device) if device is not None else first.device
     probe = first.to(target) if first.device != target else first
     path = _scores._ops().served_by(probe)
-    if path != "triton":
-        return _HostLoop(f"candidate lists are scored in place by the Triton kernels only ({path} here)",
-                         strict=False)
-    from ..kernels.triton.listed import candidate_table
+    if path != "triton":   # candidate lists are scored in place by the Triton kernels only
+        args = (documents_ids, queries_embeddings, documents_embeddings, device)
+        return "original", functools.partial(_host_loop, layout.originals["rerank"], args)
+    from ..kernels.triton.listed import candidate_table, paused_gc
 
     counts = [len(docs) for docs in candidates]
     flat = [d for docs in candidates for d in docs]
@@ -139,7 +118,8 @@ def _prepare(layout, documents_ids, queries_embeddings, documents_embeddings, de
         return _Fallback("a candidate list of empty documents", strict=False)
 
     def run():
-        return _rerank_listed(queries, table, counts, longest, [ids for _, ids, _ in groups], target)
+        with paused_gc():        # a result dict per candidate (listed.paused_gc says why)
+            return _rerank_listed(queries, table, counts, longest, [ids for _, ids, _ in groups], target)
 
     return path, run
 

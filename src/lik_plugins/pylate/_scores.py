@@ -73,12 +73,16 @@ class _Fallback:
         self.reason, self.strict = reason, strict
 
 
-def _call_original(entry: str, original: Callable, args: tuple, backend: str | None, choice: str | None) -> Any:
+def _call_original(entry: str, original: Callable, args: tuple, backend: str | None, choice: str | None,
+                   takes_backend: bool) -> Any:
     """PyLate's own function for a call the patch declined (``torch`` / ``flash``, or a
     fallback).  A ``lik`` request that falls back runs PyLate's torch path: ``lik`` names
-    lik_plugins while the patch is in place, and PyLate's own LIK hook would raise on CPU."""
+    lik_plugins while the patch is in place, and PyLate's own LIK hook would raise on CPU.
+    A function without a ``backend`` parameter (``rank.rerank``) gets the caller's arguments."""
     record(entry, "original")
     layout = _layout
+    if not takes_backend:
+        return original(*args)
     if layout is None or not layout.has_backend:
         if choice == "flash":
             raise RuntimeError(
@@ -104,20 +108,24 @@ def _call_unpatched(entry: str, original: Callable, args: tuple, backend: str | 
 host_loop = threading.local()
 
 
-def _dispatch(entry: str, name: str, args: tuple, backend: str | None, prepare: Callable, original=None) -> Any:
-    layout = _layout
+def _dispatch(name: str, args: tuple, backend: str | None, prepare: Callable, original=None,
+              takes_backend: bool = True) -> Any:
+    """One patched entry (counted as ``pylate.<name>``): PyLate's original (``originals[name]``
+    unless given) where the switches or the backend ask for it, else ``prepare(*args)``'s plan:
+    ``(path, run)``, or a :class:`_Fallback` to PyLate's code."""
+    entry = f"pylate.{name}"
     if original is None:
-        original = layout.originals[name]
+        original = _layout.originals[name]
     if getattr(host_loop, "active", False) or not _active or disabled():
         return _call_unpatched(entry, original, args, backend)
     choice = requested_backend(backend)
     if choice in ("torch", "flash"):
-        return _call_original(entry, original, args, backend, choice)
+        return _call_original(entry, original, args, backend, choice, takes_backend)
     plan = prepare(*args)
     if isinstance(plan, _Fallback):
         if choice == "lik" and plan.strict:
             raise RuntimeError(f"backend='lik': lik_plugins cannot serve this {name} call ({plan.reason})")
-        return _call_original(entry, original, args, backend, choice)
+        return _call_original(entry, original, args, backend, choice, takes_backend)
     path, run = plan
     record(entry, path)
     return run()
@@ -167,13 +175,6 @@ def _check_mask(mask: torch.Tensor | None, shape: tuple, device: torch.device, w
     return None
 
 
-def _convert(Q, D, q_mask, d_mask):
-    Q, D = _as_tensor(Q), _as_tensor(D)
-    q_mask = None if q_mask is None else _as_tensor(q_mask)
-    d_mask = None if d_mask is None else _as_tensor(d_mask)
-    return Q, D, q_mask, d_mask
-
-
 def _prepare_masked(Q, D, q_mask, d_mask, *, d_dim: int, fold_groups: bool):
     """Shared checks of the masked layouts.
 
@@ -183,7 +184,8 @@ def _prepare_masked(Q, D, q_mask, d_mask, *, d_dim: int, fold_groups: bool):
     query-major columns ``d*N + k``).
     """
     try:
-        Q, D, q_mask, d_mask = _convert(Q, D, q_mask, d_mask)
+        Q, D = _as_tensor(Q), _as_tensor(D)
+        q_mask, d_mask = (None if m is None else _as_tensor(m) for m in (q_mask, d_mask))
     except Exception as exc:  # the original raises its own error for these
         return _Fallback(f"inputs not convertible to tensors: {exc}")
     reason = _check_embeddings(Q, D, d_dim)
@@ -210,16 +212,10 @@ def _prepare_masked(Q, D, q_mask, d_mask, *, d_dim: int, fold_groups: bool):
     return ops.served_by(Q), run
 
 
-def _prepare_cross(Q, D, queries_mask=None, documents_mask=None):
-    return _prepare_masked(Q, D, queries_mask, documents_mask, d_dim=3, fold_groups=False)
-
-
-def _prepare_kd(Q, D, queries_mask=None, documents_mask=None):
-    return _prepare_masked(Q, D, queries_mask, documents_mask, d_dim=4, fold_groups=False)
-
-
-def _prepare_groups(Q, D, queries_mask=None, documents_mask=None):
-    return _prepare_masked(Q, D, queries_mask, documents_mask, d_dim=4, fold_groups=True)
+# the adapters pass all four arguments positionally
+_prepare_cross = functools.partial(_prepare_masked, d_dim=3, fold_groups=False)
+_prepare_kd = functools.partial(_prepare_masked, d_dim=4, fold_groups=False)
+_prepare_groups = functools.partial(_prepare_masked, d_dim=4, fold_groups=True)
 
 
 def _prepare_pairwise(Q, D):
@@ -290,7 +286,7 @@ def colbert_scores(
     """``pylate.scores.colbert_scores`` served by ``lik_plugins``: ``[Nq, Lq, H]`` x
     ``[Nd, Ld, H]`` -> ``[Nq, Nd]`` with PyLate's multiplicative masks."""
     args = (queries_embeddings, documents_embeddings, queries_mask, documents_mask)
-    return _dispatch("pylate.colbert_scores", "colbert_scores", args, backend, _prepare_cross)
+    return _dispatch("colbert_scores", args, backend, _prepare_cross)
 
 
 def colbert_kd_scores(
@@ -303,14 +299,14 @@ def colbert_kd_scores(
     """``pylate.scores.colbert_kd_scores`` served by ``lik_plugins``: ``[B, Lq, H]`` x
     ``[B, N, Ld, H]`` (each query's own candidates) -> ``[B, N]``."""
     args = (queries_embeddings, documents_embeddings, queries_mask, documents_mask)
-    return _dispatch("pylate.colbert_kd_scores", "colbert_kd_scores", args, backend, _prepare_kd)
+    return _dispatch("colbert_kd_scores", args, backend, _prepare_kd)
 
 
 def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend: str | None = None):
     """``pylate.scores.colbert_scores_pairwise`` served by ``lik_plugins``: pairs
     ``Q[i]`` x ``D[i]`` -> ``[B]``; ragged lists are packed."""
     args = (queries_embeddings, documents_embeddings)
-    return _dispatch("pylate.colbert_scores_pairwise", "colbert_scores_pairwise", args, backend, _prepare_pairwise)
+    return _dispatch("colbert_scores_pairwise", args, backend, _prepare_pairwise)
 
 
 def colbert_scores_call(
@@ -323,13 +319,9 @@ def colbert_scores_call(
 ):
     """``ColBERTScores.__call__`` as one fused call: ``[Qq, Lq, H]`` x ``[Qd, N, Ld, H]``
     -> ``[Qq, Qd*N]``, query-major (column ``d*N + k`` is document ``d``, slot ``k``)."""
-    original = _layout.originals["ColBERTScores.__call__"]
     args = (self, queries_embeddings, documents_embeddings, queries_mask, documents_mask)
-
-    def prepare(_self, *rest):
-        return _prepare_groups(*rest)
-
-    return _dispatch("pylate.ColBERTScores", "ColBERTScores", args, backend, prepare, original=original)
+    return _dispatch("ColBERTScores", args, backend, lambda _self, *rest: _prepare_groups(*rest),
+                     original=_layout.originals["ColBERTScores.__call__"])
 
 
 ADAPTERS = {
