@@ -105,11 +105,8 @@ def _negative_scores(self, a, gen: Generation, pos_rows: str):
     """``(pos [B], neg [B, n_neg] or [B], path)`` or ``None``: the positive term as pairs,
     the explicit negatives as per-query candidates (one launch)."""
     Q, D, N, offset = a["query_embeddings"], a["doc_embeddings"], a["neg_doc_embeddings"], a.get("offset", 0)
-    if not all(torch.is_tensor(t) for t in (Q, D, N)) or Q.dim() != 3 or D.dim() != 3:
-        return None
-    if N.dim() != (4 if gen.neg_4d else 3) or N.size(0) != Q.size(0):
-        return None
-    if _smooth(self) and not _tau(self) > 0:
+    if not (_ok_inbatch(self, Q, D) and torch.is_tensor(N)) or N.dim() != (4 if gen.neg_4d else 3) \
+            or N.size(0) != Q.size(0):
         return None
     if gen.neg_4d:
         n_rows = N.size(0) if pos_rows == "neg" else Q.size(0)
