@@ -15,12 +15,21 @@ Per implementation and size, each group (ours per variant, the peers) in a proce
 * ``median``: a second do_bench, its median;
 * for ours, ``launcher``: the Triton launcher alone (``kernels/triton/launch.forward``),
   without the op layers above it; ``--config-ab``: the launcher with forced tile configs;
+* ``gpu only`` (up to 10k documents): the call captured in a CUDA graph and replayed after
+  the same L2 clear, its median -- the kernels' own time, whatever the host's speed:
+  do_bench reads the host's time instead where one call's host work outlasts the clear.
+  (At 100k documents this column read ~10 % above do_bench for every implementation on an
+  H200, so it is not taken there);
+* ``host``: wall time per call over calls back to back (the host's work where it outlasts
+  the GPU's);
 * the copy bandwidth of this GPU (a 1 GiB device-to-device copy, bytes read + written) and
   the floor ``bytes of D / bandwidth``;
 * with ``--profile``: the GPU timeline of a few do_bench-like iterations (every kernel and
   memset on the device, in order) and the runtime calls made per call.
 
-Writes ``latency.json`` and ``latency.md`` under OUT.
+``--repeats N`` runs every group's process N times (rows carry ``repeat``); the Markdown
+ends with each implementation's median and range over them.  Writes ``latency.json`` and
+``latency.md`` under OUT.
 """
 from __future__ import annotations
 
@@ -76,7 +85,8 @@ def _impls(group: str):
     }
 
 
-# forward configs (BLOCK_N, num_warps, num_stages) forced on our kernel with --config-ab
+# forward configs (BLOCK_N, num_warps, num_stages) forced on our kernel with --config-ab; the
+# first was the config table's 1-query entry before its 2-warp one (docs/performance-notes.md)
 CONFIGS = [(64, 4, 3), (128, 4, 4)]
 
 
@@ -120,6 +130,39 @@ def _copy_bandwidth() -> float:
     return 2 * x.numel() * x.element_size() / (ms * 1e-3)
 
 
+def _graph_gpu_ms(fn, reps=200) -> float:
+    """Median GPU time of ``fn`` replayed from a CUDA graph, each replay after do_bench's L2
+    clear (a 256 MB memset)."""
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    events = []
+    for _ in range(reps):
+        cache.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
+
+
+def _host_us(fn, calls=500) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    wall = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return wall / calls * 1e6
+
+
 def _timeline(fn, iters=6) -> dict:
     """The device's work in do_bench-like iterations (cache clear, call), in order, and the
     runtime calls of interest per call."""
@@ -160,7 +203,13 @@ def child(group: str, sizes: list[int], profile: bool, config_ab: bool = False) 
                 median = do_bench(fn, warmup=25, rep=rep, return_mode="median")
                 row = dict(impl=name, n_docs=n, first_mean_ms=first, median_ms=median, floor_ms=floor_ms,
                            floor_fraction=floor_ms / median, copy_tb_s=bandwidth / 1e12,
-                           checksum=float(fn().float().sum()), variant=os.environ.get("LATENCY_VARIANT", "default"))
+                           checksum=float(fn().float().sum()), variant=os.environ.get("LATENCY_VARIANT", "default"),
+                           repeat=int(os.environ.get("LATENCY_REPEAT", "0")), host_us=_host_us(fn))
+                try:
+                    if n <= 10_000:
+                        row["gpu_only_ms"] = _graph_gpu_ms(fn)
+                except Exception as exc:  # noqa: BLE001 - a call that cannot be captured: say so
+                    row["gpu_only_error"] = repr(exc)[:200]
                 if profile and n <= 10_000:
                     with warnings_as_rows(row):
                         torch.cuda.set_sync_debug_mode("warn")
@@ -176,6 +225,7 @@ def child(group: str, sizes: list[int], profile: bool, config_ab: bool = False) 
             with torch.no_grad():
                 for row in _forced_configs(Q, D, rep):
                     row.update(n_docs=n, first_mean_ms=float("nan"), floor_ms=floor_ms, copy_tb_s=bandwidth / 1e12,
+                               repeat=int(os.environ.get("LATENCY_REPEAT", "0")),
                                floor_fraction=floor_ms / row["median_ms"] if "median_ms" in row else 0.0,
                                variant=os.environ.get("LATENCY_VARIANT", "default"))
                     row.setdefault("median_ms", float("nan"))
@@ -205,6 +255,26 @@ class warnings_as_rows:
         return self.ctx.__exit__(*exc)
 
 
+def _summary(rows) -> list[str]:
+    """Per size and implementation: the median and range of the do_bench medians and of the
+    GPU-only times over the repeats."""
+    import statistics
+
+    groups: dict = {}
+    for r in rows:
+        if "host_us" in r:
+            groups.setdefault((r["n_docs"], r["impl"], r["variant"]), []).append(r)
+    out = ["", "Over the runs (median [min, max]):", "",
+           "| docs | implementation | variant | runs | do_bench median ms | gpu only ms |", "|---:|---|---|---:|---:|---:|"]
+    for (n, impl, variant), rs in sorted(groups.items()):
+        cells = []
+        for field in ("median_ms", "gpu_only_ms"):
+            values = [r[field] for r in rs if field in r]
+            cells.append(f"{statistics.median(values):.4f} [{min(values):.4f}, {max(values):.4f}]" if values else "n/a")
+        out.append(f"| {n} | {impl} | {variant} | {len(rs)} | {cells[0]} | {cells[1]} |")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -213,6 +283,7 @@ def main() -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-peers", action="store_true", help="ours only")
     p.add_argument("--config-ab", action="store_true", help="also our launcher with each of CONFIGS forced")
+    p.add_argument("--repeats", type=int, default=1, help="fresh processes per group")
     p.add_argument("--child", help="internal: lik_plugins | peers")
     a = p.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
@@ -223,8 +294,8 @@ def main() -> int:
     runs = [] if a.no_peers else [("peers", "default")]
     runs += [("lik_plugins", v) for v in a.variants.split(",")]
     rows = []
-    for group, variant in runs:
-        env = {**os.environ, **VARIANTS[variant], "LATENCY_VARIANT": variant}
+    for repeat, (group, variant) in [(r, g) for r in range(a.repeats) for g in runs]:
+        env = {**os.environ, **VARIANTS[variant], "LATENCY_VARIANT": variant, "LATENCY_REPEAT": str(repeat)}
         cmd = [sys.executable, __file__, a.out, "--child", group, "--sizes", a.sizes]
         if a.profile and variant == "default":
             cmd.append("--profile")
@@ -260,11 +331,14 @@ def main() -> int:
              "`triton.testing.do_bench` (L2 cleared before each call). first: its default mean, the implementation's "
              "first call of the process inside it; median: a second run's median. floor = bytes of D / measured copy "
              "bandwidth (read + write).", "",
-             "| docs | implementation | variant | first (mean) ms | median ms | floor ms | floor / median |",
-             "|---:|---|---|---:|---:|---:|---:|"]
+             "| docs | implementation | variant | run | first (mean) ms | median ms | gpu only ms | host µs | floor ms | "
+             "floor / median |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['n_docs']} | {r['impl']} | {r['variant']} | {r['first_mean_ms']:.4f} | "
-                     f"{r['median_ms']:.4f} | {r['floor_ms']:.4f} | {r['floor_fraction']:.0%} |")
+        lines.append(f"| {r['n_docs']} | {r['impl']} | {r['variant']} | {r.get('repeat', 0)} | {r['first_mean_ms']:.4f} | "
+                     f"{r['median_ms']:.4f} | {r.get('gpu_only_ms', float('nan')):.4f} | {r.get('host_us', float('nan')):.1f} | "
+                     f"{r['floor_ms']:.4f} | {r['floor_fraction']:.0%} |")
+    lines += _summary(rows)
     with open(os.path.join(a.out, "latency.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
