@@ -159,8 +159,10 @@ def latency(src: Source):
     """bench_latency.py: one-query latency per (documents, implementation, config variant)."""
     for r in src.data["rows"]:
         case = f"1 query x {r['n_docs']} docs" + (f" ({r['variant']})" if r.get("variant", "default") != "default" else "")
+        case += f", fresh process {r['repeat'] + 1}" if "repeat" in r else ""
         for metric, key, unit in (("time_median", "median_ms", "ms"), ("time_first_mean", "first_mean_ms", "ms"),
                                   ("time_cold", "cold_ms", "ms"), ("time_settled", "settled_ms", "ms"),
+                                  ("time_gpu_only", "gpu_only_ms", "ms"), ("host_time", "host_us", "us"),
                                   ("fraction_of_copy_floor", "floor_fraction", "")):
             yield src.row(case, r["impl"], metric, r.get(key), unit)
 
