@@ -1,4 +1,4 @@
-"""The patch ledger shared by both host integrations: apply once, revert exactly.
+"""The patch ledger shared by the host integrations: apply once, revert exactly.
 
 A host patcher describes *what* it replaces (a table per host version); the ledger
 does the replacing and remembers every original, so ``unpatch_*()`` restores the
@@ -102,7 +102,7 @@ class PatchLedger:
             self._set_defaults(function, "__kwdefaults__",
                                {k: table[v] if hashable_in(v, table) else v for k, v in kwdefaults.items()})
 
-    def replace_module_defaults(self, module: Any, table: dict, owns: Callable[[Any], bool] = lambda f: True) -> None:
+    def replace_module_defaults(self, module: Any, table: dict, owns: Callable[[Any], bool]) -> None:
         """:meth:`replace_defaults` of every function ``module`` defines and of its classes'
         methods (those ``owns`` accepts), each function once."""
         for value in list(vars(module).values()):
@@ -165,7 +165,7 @@ class PatchLedger:
         self.changes.clear()
 
 
-def instance_slot_property(name: str, to_adapter: dict, to_original: dict, doc: str | None = None) -> property:
+def instance_slot_property(name: str, to_adapter: dict, to_original: dict, doc: str) -> property:
     """A class-level data descriptor over the instance slot ``name``: reading maps a host
     original to its adapter (``to_adapter``), writing stores the original (``to_original``),
     so objects built before, during or after a patch behave alike and, once the property is
@@ -197,7 +197,7 @@ def instance_slot_property(name: str, to_adapter: dict, to_original: dict, doc: 
     def fdel(self):
         del self.__dict__[name]
 
-    return property(fget, fset, fdel, doc=doc or f"{name} (served by lik_plugins)")
+    return property(fget, fset, fdel, doc=doc)
 
 
 def lookalike(adapter: Callable, original: Callable) -> Callable:

@@ -79,7 +79,8 @@ INSTANCE_SLOTS = (
 
 @dataclass(frozen=True)
 class PyLateLayout:
-    """What the patcher found: release, layout group and the original scorers."""
+    """What the patcher found: release, layout group and the originals it replaces (the scorers,
+    ``LOOPS``, and ``"ColBERTScores.__call__"`` where the class exists)."""
 
     version: str
     group: str  # "1.3" (1.3.3 - 1.4.x), "1.5.0" or "1.5.1" (1.5.1 and newer)
@@ -116,6 +117,8 @@ def detect() -> PyLateLayout:
             originals[name] = getattr(module, name)
     has_backend = "backend" in inspect.signature(originals["colbert_scores"]).parameters
     colbert_scores_class = getattr(scores_module, "ColBERTScores", None)
+    if colbert_scores_class is not None:   # replaced by one fused call (1.5.0 and newer)
+        originals["ColBERTScores.__call__"] = vars(colbert_scores_class)["__call__"]
     if has_backend:
         group = "1.5.1"
     elif colbert_scores_class is not None:

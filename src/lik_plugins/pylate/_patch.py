@@ -120,10 +120,6 @@ def _patch() -> layout_mod.PyLateLayout:
     layout = _current if _current is not None else layout_mod.detect()
     for name in layout_mod.MODULES:
         layout_mod.import_optional(name)   # PyLate's imports may re-enter patch_pylate (start-up hook)
-    if _current is None and layout.colbert_scores_class is not None:
-        originals = dict(layout.originals)
-        originals["ColBERTScores.__call__"] = vars(layout.colbert_scores_class)["__call__"]
-        layout = layout_mod.PyLateLayout(**{**layout.__dict__, "originals": originals})
     _apply(layout)
     _current = layout
     _scores.bind(layout, active=True)
