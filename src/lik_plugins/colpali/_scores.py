@@ -17,18 +17,16 @@ BACKEND_VAR = "COLPALI_SCORES_BACKEND"
 VALID_BACKENDS = ("auto", "torch", "lik")
 
 
-def backend_mode() -> str:
-    """``auto`` (default) | ``torch`` | ``lik``; any other value raises colpali's ValueError."""
+def use_original() -> bool:
+    """True when a patched entry must run colpali's own code: ``LIK_DISABLE=1`` or
+    ``COLPALI_SCORES_BACKEND=torch`` (``auto``, the default, and ``lik`` run ours; any other
+    value raises colpali's ValueError)."""
+    if disabled():
+        return True
     value = scores_backend(BACKEND_VAR)
     if value not in VALID_BACKENDS:
         raise ValueError(f"{BACKEND_VAR} must be one of {VALID_BACKENDS}, got {value!r}.")
-    return value
-
-
-def use_original() -> bool:
-    """True when a patched entry must run colpali's own code: ``LIK_DISABLE=1`` or
-    ``COLPALI_SCORES_BACKEND=torch``."""
-    return disabled() or backend_mode() == "torch"
+    return value == "torch"
 
 
 def eligible(*tensors: torch.Tensor) -> bool:

@@ -125,14 +125,6 @@ def _negative_scores(self, a, gen: Generation, pos_rows: str):
     return pos, neg, path
 
 
-def _with_in_batch_term(self, loss, inner: str, a):
-    w = self.in_batch_term_weight
-    if w > 0:
-        loss_ib = getattr(self, inner)(a["query_embeddings"], a["doc_embeddings"], a.get("offset", 0))
-        loss = loss * (1 - w) + loss_ib * w
-    return loss
-
-
 def _negative_ce(self, a, gen: Generation, pos_rows: str, inner: str):
     """The two negative-CE heads: softplus of (negative - positive) over the temperature, plus
     the in-batch term of the head's ``inner`` loss (read only when it is weighted in)."""
@@ -143,7 +135,11 @@ def _negative_ce(self, a, gen: Generation, pos_rows: str, inner: str):
     if gen.neg_4d:
         pos = pos.unsqueeze(1)
     loss = F.softplus((neg - pos) / self.temperature).mean()
-    return _with_in_batch_term(self, loss, inner, a), path
+    w = self.in_batch_term_weight
+    if w > 0:
+        loss_ib = getattr(self, inner)(a["query_embeddings"], a["doc_embeddings"], a.get("offset", 0))
+        loss = loss * (1 - w) + loss_ib * w
+    return loss, path
 
 
 def negative_ce_loss(self, a, gen: Generation):
@@ -155,13 +151,6 @@ def pairwise_negative_ce_loss(self, a, gen: Generation):
 
 
 # --------------------------------------------------------------------------- 0.3.10
-def _legacy_normalized(self, S, Q):
-    S = S / sc.query_lengths(Q).unsqueeze(-1)
-    if not (S >= 0).all().item() or not (S <= 1).all().item():
-        raise ValueError("Scores must be between 0 and 1 after normalization")
-    return S
-
-
 def _legacy_pairwise_term(S):
     pos = S.diagonal()
     neg = (S - torch.eye(S.shape[0], device=S.device) * 1e6).max(dim=1)[0]
@@ -172,7 +161,9 @@ def _legacy_ce_term(self, Q, D):
     """0.3.10's in-batch cross-entropy (the positives on the diagonal) and its path."""
     S, path = sc.inbatch(Q, D)
     if self.normalize_scores:
-        S = _legacy_normalized(self, S, Q)
+        S = S / sc.query_lengths(Q).unsqueeze(-1)
+        if not (S >= 0).all().item() or not (S <= 1).all().item():
+            raise ValueError("Scores must be between 0 and 1 after normalization")
     return self.ce_loss(S / self.temperature, torch.arange(S.shape[0], device=S.device)), path
 
 
