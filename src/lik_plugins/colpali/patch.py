@@ -71,43 +71,38 @@ def detect_generation(losses) -> Generation:
 
 
 # --------------------------------------------------------------------------- wrappers
-def _served_or_original(original, entry: str, serve, bypass=sc.use_original):
-    """``original`` served by ``serve``, which returns ``(result, path)``, or None where it does
-    not serve the call; colpali's ``original`` then runs, and wherever ``bypass()`` says so
-    (``LIK_DISABLE=1``, ``COLPALI_SCORES_BACKEND=torch``).  Each call counted under ``entry``."""
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        served = None if bypass() else serve(*args, **kwargs)
-        if served is None:
-            record(entry, "original")
-            return original(*args, **kwargs)
-        result, path = served
-        record(entry, path)
-        return result
-
-    return wrapper
-
-
 def _forward_for(cls, impl, gen: Generation):
     original = vars(cls)["forward"]
     signature = inspect.signature(original)
+    entry = f"colpali.{cls.__name__}"
 
-    def serve(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)  # a bad call raises a TypeError here
-        bound.apply_defaults()
-        return impl(self, bound.arguments, gen)
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)  # colpali's own TypeError on a bad call
+        if not sc.use_original():
+            bound.apply_defaults()
+            result = impl(self, bound.arguments, gen)
+            if result is not None:
+                loss, path = result
+                record(entry, path)
+                return loss
+        record(entry, "original")
+        return original(self, *args, **kwargs)
 
-    return _served_or_original(original, f"colpali.{cls.__name__}", serve)
+    return forward
 
 
 def _inbatch_scores_for(original):
-    def serve(self, query_embeddings, doc_embeddings):
-        if not heads._ok_inbatch(self, query_embeddings, doc_embeddings):
-            return None
-        return heads.inbatch_scores(self, query_embeddings, doc_embeddings)
+    @functools.wraps(original)
+    def _inbatch_scores(self, query_embeddings, doc_embeddings):
+        if not sc.use_original() and heads._ok_inbatch(self, query_embeddings, doc_embeddings):
+            scores, path = heads.inbatch_scores(self, query_embeddings, doc_embeddings)
+            record("colpali.ColbertModule._inbatch_scores", path)
+            return scores
+        record("colpali.ColbertModule._inbatch_scores", "original")
+        return original(self, query_embeddings, doc_embeddings)
 
-    return _served_or_original(original, "colpali.ColbertModule._inbatch_scores", serve)
+    return _inbatch_scores
 
 
 def _lik_slots(backend_module):
@@ -128,12 +123,19 @@ def _lik_slots(backend_module):
             raise unsupported("lik_plugins serves floating tensors of one dtype, non-empty, with equal dims.")
 
     def _slot(original, name: str, doc_dim: int, scorer: str):
-        def serve(query, doc):
-            _check(query, doc, doc_dim)
-            return getattr(sc, scorer)(query, doc)
+        entry = f"colpali.{name}"
 
-        # only LIK_DISABLE: colpali's dispatcher reaches these under ``auto`` / ``lik`` alone
-        return _served_or_original(original, f"colpali.{name}", serve, bypass=disabled)
+        @functools.wraps(original)
+        def slot(query, doc):
+            if disabled():
+                record(entry, "original")
+                return original(query, doc)
+            _check(query, doc, doc_dim)
+            scores, path = getattr(sc, scorer)(query, doc)
+            record(entry, path)
+            return scores
+
+        return slot
 
     return (_slot(backend_module.maxsim_inbatch_lik, "maxsim_inbatch_lik", 3, "inbatch"),
             _slot(backend_module.maxsim_kd_lik, "maxsim_kd_lik", 4, "candidates"))
@@ -144,20 +146,28 @@ def _score_multi_vector_for(processing, original):
     in one launch over the passages where they lie (:func:`._scores.multi_vector_lists`):
     ``[n_q, n_p]`` float32 on CPU; colpali's own loop where that does not serve."""
 
-    def serve(qs, ps, batch_size: int = 128, device=None):
-        device = device or processing.get_torch_device("auto")
-        if len(qs) == 0:
-            raise ValueError("No queries provided")
-        if len(ps) == 0:
-            raise ValueError("No passages provided")
-        queries, passages = list(qs), list(ps)
-        items = queries + passages
-        if all(torch.is_tensor(x) and x.dim() == 2 and x.shape[0] > 0 for x in items) and sc.eligible(*items) \
-                and isinstance(batch_size, int) and batch_size > 0:
-            return sc.multi_vector_lists(queries, passages, batch_size, device)
-        return None
+    @functools.wraps(original)
+    def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
+        served = None
+        if not sc.use_original():
+            device = device or processing.get_torch_device("auto")
+            if len(qs) == 0:
+                raise ValueError("No queries provided")
+            if len(ps) == 0:
+                raise ValueError("No passages provided")
+            queries, passages = list(qs), list(ps)
+            items = queries + passages
+            if all(torch.is_tensor(x) and x.dim() == 2 and x.shape[0] > 0 for x in items) and sc.eligible(*items) \
+                    and isinstance(batch_size, int) and batch_size > 0:
+                served = sc.multi_vector_lists(queries, passages, batch_size, device)
+        if served is None:
+            record("colpali.score_multi_vector", "original")
+            return original(qs, ps, batch_size, device)
+        scores, path = served
+        record("colpali.score_multi_vector", path)
+        return scores
 
-    return _served_or_original(original, "colpali.score_multi_vector", serve)
+    return score_multi_vector
 
 
 # --------------------------------------------------------------------------- public
