@@ -232,6 +232,7 @@ def test_a_shipped_binary_serves_the_plan_without_the_jit(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     monkeypatch.setattr(kernel, "run", lambda *a, **k: jit.append((a, k)))
     monkeypatch.setattr(binaries_loader, "from_jit", lambda compiled, n_args, device: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # a CPU torch raises here
     monkeypatch.setenv("LIK_SHIPPED_BINARIES", "1")
     direct.clear()
     x = torch.zeros(64)
@@ -282,8 +283,17 @@ def test_the_jits_binary_serves_the_plan_after_its_first_launch(monkeypatch):
     direct.launch(kernel, (4,), (x, 7), {"BLOCK": 16})
     assert len(jit) == 1 and wrapped == [(compiled, 2)]
     assert launched == [((4,), 5, (x, 7))]
-    monkeypatch.setattr(binaries_loader, "from_jit", lambda c, n_args, device: None)
+    refusals = []
+    monkeypatch.setattr(binaries_loader, "from_jit", lambda c, n_args, device: refusals.append(c))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # a CPU torch raises here
     direct.clear()
     for _ in range(2):
         direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16})
-    assert len(jit) == 3 and len(launched) == 1
+    assert len(jit) == 3 and len(launched) == 1 and len(refusals) == 1
+    # refused inside a CUDA graph's capture (the driver path's self-check cannot run there):
+    # no plan is kept, the next launch asks again
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    direct.clear()
+    for _ in range(2):
+        direct.launch(kernel, (3,), (x, 5), {"BLOCK": 16})
+    assert len(jit) == 5 and len(refusals) == 3

@@ -58,6 +58,7 @@ _unserved: dict = {}               # kernel name -> the first of those launches'
 _UNSERVED_KEPT = 16
 _file_keys: dict = {}              # id(kernel) -> file_key(kernel)
 _driver_checked: dict = {}         # ordinal -> True, or why the JIT's binaries stay on the JIT's launcher
+_jit_only: dict = {}               # kernel name -> why a JIT binary of it cannot launch through the driver
 _UNSEEN = object()
 
 
@@ -286,7 +287,7 @@ def from_jit(compiled, n_args: int, ordinal: int):
     try:
         return _wrap(driver, compiled, n_args, ordinal)
     except ValueError as exc:
-        _stale.setdefault(compiled.metadata.name, f"launched through the JIT: {exc}")
+        _jit_only.setdefault(compiled.metadata.name, str(exc))
         return None
 
 
@@ -377,15 +378,17 @@ def diagnostics() -> dict:
     """What the shipped binaries serve in this process and, where they serve nothing, why:
     ``devices`` (ordinal -> architecture and loaded variants, or the reason),
     ``driver_launch`` (ordinal -> True where the JIT's binaries launch through the driver,
-    else the reason), ``kernels`` whose binaries are not used (name -> reason), ``missing`` (name -> launches of a variant
+    else the reason), ``jit_only`` (name -> why a JIT binary of that kernel launches through
+    Triton's own launcher), ``kernels`` whose shipped binaries are not used (name -> reason),
+    ``missing`` (name -> launches of a variant
     no shipped binary serves, which went through the JIT) and ``unserved`` (name -> the
     first of those variants' keys: what a wider precompile grid would add)."""
     devices = {}
     for ordinal, device in sorted(_devices.items()):
         devices[ordinal] = device if isinstance(device, str) else {
             "arch": device.arch, "shipped": len(device.entries), "loaded": len(device.loaded)}
-    return {"devices": devices, "driver_launch": dict(_driver_checked), "kernels": dict(_stale),
-            "missing": dict(_missing),
+    return {"devices": devices, "driver_launch": dict(_driver_checked), "jit_only": dict(_jit_only),
+            "kernels": dict(_stale), "missing": dict(_missing),
             "unserved": {name: list(keys) for name, keys in _unserved.items()}}
 
 
@@ -399,3 +402,4 @@ def reset() -> None:
     _file_keys.clear()
     _file_shas.clear()
     _driver_checked.clear()
+    _jit_only.clear()

@@ -144,7 +144,11 @@ def launch(kernel, grid, args: tuple, meta: dict, static_key=None, caller_tensor
             plan = binaries_loader.find(kernel, needed, device) if shipped_binaries_enabled() else None
             if plan is None:
                 compiled = kernel[grid](*args, **meta)     # the JIT: a compile, or a load from the disk cache
-                _plans[key] = _plans[generic] = binaries_loader.from_jit(compiled, len(args), device) or _JIT
+                wrapped = binaries_loader.from_jit(compiled, len(args), device)
+                # a refusal inside a CUDA graph's capture may only mean the driver path's
+                # self-check (it copies to the host) has not run yet: ask again after it
+                if wrapped is not None or not torch.cuda.is_current_stream_capturing():
+                    _plans[key] = _plans[generic] = wrapped or _JIT
                 return compiled
             _plans[generic] = plan
         _plans[key] = plan
