@@ -11,6 +11,7 @@ from operator import attrgetter, itemgetter
 import torch
 
 from .._config import disabled, scores_backend
+from .._routing import listed_table
 
 # COLPALI_SCORES_BACKEND, as colpali-engine >= 0.3.17 parses it (read on every call).
 BACKEND_VAR = "COLPALI_SCORES_BACKEND"
@@ -54,17 +55,12 @@ _FEW = 8        # up to this many inputs, eligible() checks them one by one
 _DTYPE, _DEVICE, _SHAPE, _LAST = attrgetter("dtype"), attrgetter("device"), attrgetter("shape"), itemgetter(-1)
 
 
-def _ops():
-    from .. import ops
-
-    return ops
-
-
 _OP_FOR_LAYOUT = {"cross": "maxsim", "pairs": "maxsim_pairs", "candidates": "maxsim"}
 
 
 def _scored(Q: torch.Tensor, D: torch.Tensor, layout: str, smooth: bool, tau: float):
-    ops = _ops()
+    from .. import ops
+
     if smooth:
         return ops.smooth_maxsim(Q, D, tau=tau, layout=layout).to(Q.dtype), ops.served_by(Q, "smooth")
     return getattr(ops, _OP_FOR_LAYOUT[layout])(Q, D).to(Q.dtype), ops.served_by(Q)
@@ -105,18 +101,11 @@ def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
     accumulation error of a 16-bit rounding midpoint (one step of the grid, rare).  Equal
     scores stay equal: rankings match colpali's, ties included, under any deterministic
     sort.  Served where the Triton kernels run; elsewhere (a CPU) colpali's loop."""
-    target = torch.device(device)
-    first = queries[0]
-    probe = first.to(target) if first.device != target else first
-    path = _ops().served_by(probe)
-    if path != "triton":
+    path, table = listed_table(queries[0], torch.device(device), passages, [q.shape[0] for q in queries])
+    if table is None or isinstance(table, str):
         return None
-    from ..kernels.triton.listed import candidate_table, score_table
+    from ..kernels.triton.listed import score_table
 
-    dim, dtype = first.shape[1], first.dtype
-    table = candidate_table(passages, dtype, dim, target, extra=[q.shape[0] for q in queries])
-    if isinstance(table, str):
-        return None
     # colpali's chunks of batch_size passages, each padded to its longest: on the device
     n_p = len(passages)
     n_chunks = -(-n_p // batch_size)
@@ -124,5 +113,5 @@ def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
     pad = (chunked < chunked.amax(dim=1, keepdim=True)).view(-1)[:n_p]
     with torch.no_grad():   # every query against every passage: [n_q, n_p]
         scores = score_table(queries, table.extra, table, None, pad, round_maxima=True)
-    scores = scores.to(dtype).cpu().to(torch.float32)
+    scores = scores.to(queries[0].dtype).cpu().to(torch.float32)
     return scores, path

@@ -48,6 +48,7 @@ from operator import itemgetter
 
 import torch
 
+from .._routing import listed_table
 from . import _scores
 from ._scores import SUPPORTED_DTYPES, _Fallback
 
@@ -98,16 +99,12 @@ def _prepare(documents_ids, queries_embeddings, documents_embeddings, device):
         if not docs or len(ids) < len(docs):
             return _Fallback("a query without candidates, or fewer ids than candidates", strict=False)
     target = torch.device(device) if device is not None else first.device
-    probe = first.to(target) if first.device != target else first
-    path = _scores._ops().served_by(probe)
-    if path != "triton":   # candidate lists are scored in place by the Triton kernels only
-        args = (documents_ids, queries_embeddings, documents_embeddings, device)
-        return "original", functools.partial(_host_loop, layout.originals["rerank"], args)
-    from ..kernels.triton.listed import candidate_table, paused_gc
-
     counts = [len(docs) for docs in candidates]
     flat = [d for docs in candidates for d in docs]
-    table = candidate_table(flat, dtype, dim, target, extra=[q.shape[0] for q in queries] + counts)
+    path, table = listed_table(first, target, flat, extra=[q.shape[0] for q in queries] + counts)
+    if table is None:
+        args = (documents_ids, queries_embeddings, documents_embeddings, device)
+        return "original", functools.partial(_host_loop, layout.originals["rerank"], args)
     if isinstance(table, str):
         return _Fallback(table, strict=False)
     lengths, start, longest = table.host_lengths, 0, []
@@ -116,6 +113,7 @@ def _prepare(documents_ids, queries_embeddings, documents_embeddings, device):
         start += n
     if min(longest) == 0:
         return _Fallback("a candidate list of empty documents", strict=False)
+    from ..kernels.triton.listed import paused_gc
 
     def run():
         with paused_gc():        # a result dict per candidate (listed.paused_gc says why)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -44,12 +44,6 @@ def bind(layout: PyLateLayout | None, active: bool) -> None:
     _layout, _active = layout, active
 
 
-def _ops():
-    from .. import ops
-
-    return ops
-
-
 # ---------------------------------------------------------------------------- backend
 
 
@@ -64,13 +58,11 @@ def requested_backend(backend: str | None) -> str:
     return value
 
 
-class _Fallback:
+class _Fallback(NamedTuple):
     """Why the op does not serve a call.  ``strict``: raise under ``backend="lik"``."""
 
-    __slots__ = ("reason", "strict")
-
-    def __init__(self, reason: str, strict: bool = True) -> None:
-        self.reason, self.strict = reason, strict
+    reason: str
+    strict: bool = True
 
 
 def _call_original(entry: str, original: Callable, args: tuple, backend: str | None, choice: str | None,
@@ -204,12 +196,9 @@ def _prepare_masked(Q, D, q_mask, d_mask, *, d_dim: int, fold_groups: bool):
         n_docs = D.shape[0] * D.shape[1]
         D = D.reshape(n_docs, D.shape[2], D.shape[3])
         d_mask = None if d_mask is None else d_mask.reshape(n_docs, d_mask.shape[2])
-    ops = _ops()
+    from .. import ops
 
-    def run() -> torch.Tensor:
-        return ops.maxsim(Q, D, q_mask, d_mask, mask_mode="zero").to(out_dtype)
-
-    return ops.served_by(Q), run
+    return ops.served_by(Q), lambda: ops.maxsim(Q, D, q_mask, d_mask, mask_mode="zero").to(out_dtype)
 
 
 # the adapters pass all four arguments positionally
@@ -234,43 +223,34 @@ def _prepare_pairwise(Q, D):
         return _Fallback(f"{len(Qs)} queries but {len(Ds)} documents", strict=False)
     if len(Qs) == 0:
         return _Fallback("empty batch", strict=False)
+    from .. import ops
+
     if not ragged:
         reason = _check_embeddings(Qs, Ds, 3)
         if reason is not None:
             return _Fallback(reason)
         if Qs.shape[1] == 0 or Ds.shape[1] == 0:
             return _Fallback("zero-length token axis", strict=False)
-    else:
-        first = Qs[0]
-        for x in (*Qs, *Ds):
-            if x.dim() != 2 or x.dtype != first.dtype or x.device != first.device or x.shape[-1] != first.shape[-1]:
-                return _Fallback("pairwise items must be [L, H] tensors of one dtype, device and size")
-        if first.dtype not in SUPPORTED_DTYPES:
-            return _Fallback(f"dtype {first.dtype}")
-        if any(x.shape[0] == 0 for x in (*Qs, *Ds)):
-            return _Fallback("zero-length item", strict=False)
+        return ops.served_by(Qs), lambda: ops.maxsim_pairs(Qs, Ds, mask_mode="zero").to(Qs.dtype)
+    first = Qs[0]
+    for x in (*Qs, *Ds):
+        if x.dim() != 2 or x.dtype != first.dtype or x.device != first.device or x.shape[-1] != first.shape[-1]:
+            return _Fallback("pairwise items must be [L, H] tensors of one dtype, device and size")
+    if first.dtype not in SUPPORTED_DTYPES:
+        return _Fallback(f"dtype {first.dtype}")
+    if any(x.shape[0] == 0 for x in (*Qs, *Ds)):
+        return _Fallback("zero-length item", strict=False)
+
+    def run_packed() -> torch.Tensor:
         # Packed, not padded: PyLate's per-pair loop has no padding, and packed pairs have
         # none either (each pair scores exactly its own tokens, one launch, no padded copy).
-        ops = _ops()
-        out_dtype = first.dtype
+        Qp, cu_q, max_q = ops.pack(Qs)
+        Dp, cu_d, max_d = ops.pack(Ds)
+        pairs = torch.arange(len(Qs), dtype=torch.int32, device=first.device)
+        return ops.score_pairs_packed(Qp, Dp, cu_q, cu_d, pairs, pairs, max_seqlen_q=max_q,
+                                      max_seqlen_d=max_d).to(first.dtype)
 
-        def run_packed() -> torch.Tensor:
-            from ..ops.packed import pack, score_pairs_packed
-
-            Qp, cu_q, max_q = pack(Qs)
-            Dp, cu_d, max_d = pack(Ds)
-            pairs = torch.arange(len(Qs), dtype=torch.int32, device=first.device)
-            return score_pairs_packed(Qp, Dp, cu_q, cu_d, pairs, pairs, max_seqlen_q=max_q,
-                                      max_seqlen_d=max_d).to(out_dtype)
-
-        return ops.served_by(first), run_packed
-    out_dtype = Qs.dtype
-    ops = _ops()
-
-    def run() -> torch.Tensor:
-        return ops.maxsim_pairs(Qs, Ds, mask_mode="zero").to(out_dtype)
-
-    return ops.served_by(Qs), run
+    return ops.served_by(first), run_packed
 
 
 # --------------------------------------------------------------------------- adapters
