@@ -48,14 +48,6 @@ _TRUE = {"1", "true", "yes", "on"}
 BACKENDS = ("auto", "triton", "torch-chunked", "reference")
 
 
-def _getenv(name: str, default: str) -> str:
-    # Read at every call: a user may flip a variable between two calls, and tests do.
-    if compiling():
-        return os.environ.get(name, default)
-    raw = _raw(name)
-    return default if raw is None else os.environ.decodevalue(raw)
-
-
 # ``os.environ.get`` encodes the key, decodes the value and, for an unset variable, raises and
 # catches a KeyError inside: several times a dict lookup, on every op call (the dispatcher reads
 # LIK_DISABLE and LIK_BACKEND per call).  ``os.environ`` keeps its encoded contents in ``_data``
@@ -166,17 +158,17 @@ def triton_interpret() -> bool:
 
 
 def chunk_elements() -> int:
-    return int(_getenv("LIK_CHUNK_ELEMENTS", str(1 << 24)))
+    return _parsed("LIK_CHUNK_ELEMENTS", str(1 << 24), int)
 
 
-def scores_backend(variable: str, default: str = "auto") -> str:
-    """A host's ``*_SCORES_BACKEND`` value, lower-cased and otherwise as the host reads it
-    (validation is the host adapter's: each host has its own accepted values and error)."""
-    return _getenv(variable, default).lower()
+def scores_backend(variable: str) -> str:
+    """A host's ``*_SCORES_BACKEND`` value (default ``auto``), lower-cased and otherwise as the
+    host reads it (validation is the host adapter's: each host has its own accepted values and error)."""
+    return _parsed(variable, "auto", str.lower)
 
 
-def patch_hosts(environ=None) -> list[str]:
-    """``LIK_PATCH``: the host names listed (comma-separated, lower-cased, ``-`` read as ``_``),
-    in order; validation is the start-up hook's (it warns about unknown names)."""
-    raw = _getenv("LIK_PATCH", "") if environ is None else environ.get("LIK_PATCH", "")
+def patch_hosts(environ) -> list[str]:
+    """``LIK_PATCH`` in ``environ``: the host names listed (comma-separated, lower-cased, ``-`` read
+    as ``_``), in order; validation is the start-up hook's (it warns about unknown names)."""
+    raw = environ.get("LIK_PATCH", "")
     return [name.strip().lower().replace("-", "_") for name in raw.split(",") if name.strip()]

@@ -22,13 +22,9 @@ def triton_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
+def capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index``, cached per device."""
     return torch.cuda.get_device_capability(index)
-
-
-def capability(index: int | None) -> tuple[int, int]:
-    """Compute capability of CUDA device ``index`` (None: the current one), cached per device."""
-    return _capability(index if index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

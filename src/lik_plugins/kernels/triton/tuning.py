@@ -251,23 +251,16 @@ def _own_table(arch: str | None) -> dict | None:
         return None
     try:
         text = resources.files(__package__).joinpath("configs", f"{arch}.json").read_text()
-    except (FileNotFoundError, OSError):
+    except OSError:
         return None
     data = json.loads(text)
     if data.get("version") != TABLE_VERSION:
         return None
     table: dict = {}
     for entry in data["entries"]:
-        table.setdefault(entry["kernel"], {})[_encode_key(tuple(_decode(v) for v in entry["key"]))] = entry["config"]
+        # the table's keys were written by _encode_key (benchmarks/tune_table.py): dumped again, they match it
+        table.setdefault(entry["kernel"], {})[json.dumps(entry["key"])] = entry["config"]
     return table
-
-
-def _decode(v):
-    if isinstance(v, list):
-        return tuple(_decode(x) for x in v)
-    if isinstance(v, str) and hasattr(torch, v) and isinstance(getattr(torch, v), torch.dtype):
-        return getattr(torch, v)
-    return v
 
 
 def _from_table(kernel: str, key: tuple, *, size_at: int | None, default: dict) -> dict | None:
@@ -284,8 +277,11 @@ def _from_table(kernel: str, key: tuple, *, size_at: int | None, default: dict) 
         rows = table.get(kernel, {})
         config = rows.get(_encode_key(key))
         if config is None and size_at is not None:
-            near = [(abs(size_at_class - key[size_at]), cfg) for size_at_class, cfg in _same_but_size(rows, key, size_at)]
-            config = min(near, key=lambda t: t[0])[1] if near else None
+            # the same key in the nearest size class that has a row (the smaller of two as near)
+            for other in sorted(range(8), key=lambda size: abs(size - key[size_at])):
+                config = rows.get(_encode_key(key[:size_at] + (other,) + key[size_at + 1:]))
+                if config is not None:
+                    break
         if config is not None and _own_table(arch) is None:
             config = _fitted(kernel, key, config)
     if config is None:
@@ -294,16 +290,6 @@ def _from_table(kernel: str, key: tuple, *, size_at: int | None, default: dict) 
         config = default
     _chosen[key] = dict(config)
     return _chosen[key]
-
-
-def _same_but_size(rows: dict, key: tuple, size_at: int):
-    """(size class, config) of the table rows that equal ``key`` but for the size class."""
-    for other in range(8):
-        if other != key[size_at]:
-            probe = key[:size_at] + (other,) + key[size_at + 1:]
-            cfg = rows.get(_encode_key(probe))
-            if cfg is not None:
-                yield other, cfg
 
 
 # ---------------------------------------------------------------- lowmem grad_D
