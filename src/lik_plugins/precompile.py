@@ -18,7 +18,7 @@ instead of made (``kernels/triton/direct.recording``).  Each distinct launch (ke
 constexprs and compile options, argument dtypes, 16-divisibility of the specialised integers)
 is then compiled through the JIT's own ``warmup``, so its cache key is the one the runtime
 call computes.  With no GPU of the target architecture at hand (``--arch``), Triton's active
-driver is swapped for one that only names the target (``kernels/triton/offline.py``): Triton lowers to
+driver is swapped for one that only names the target (:func:`compiling_for`): Triton lowers to
 PTX and runs ``ptxas`` without a device.  On a GPU of the target architecture each binary
 is also loaded once, so a Triton that compiles a C launcher per argument signature at the
 first launch (3.6) builds it into the cache here, not in the job's first step.
@@ -40,15 +40,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import os
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import types
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
+from pathlib import Path
 
 import torch
-
-from .kernels.triton.offline import compiling_for, device_arch
 
 HOSTS = ("pylate", "colpali", "sentence_transformers", "ops")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -158,6 +161,37 @@ WORKLOADS = {"pylate": _pylate, "colpali": _colpali, "sentence_transformers": _s
 
 
 # ----------------------------------------------------------------------------- the target
+def device_arch() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+@contextlib.contextmanager
+def compiling_for(arch: str):
+    """Triton compiles for ``arch`` (``sm_90``) inside the block: the device's own target
+    where the GPU is that architecture, else a stand-in active driver that only names the
+    target, and a device and stream nothing is launched on (``warmup`` compiles and returns:
+    Triton lowers to PTX and runs ``ptxas`` without a GPU)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    if device_arch() == arch:
+        yield
+        return
+    target = GPUTarget("cuda", int(arch[3:]), 32)
+    driver.set_active(types.SimpleNamespace(
+        get_current_target=lambda: target, get_current_device=lambda: 0,
+        get_current_stream=lambda device=None: 0, get_active_torch_device=lambda: torch.device("cpu")))
+    try:
+        yield
+    finally:
+        # back to the default, built on its next use (``reset_active`` would build it now,
+        # and fails where no GPU driver is installed)
+        driver.set_active(None)
+
+
 def _facts(arch: str) -> tuple[int, int]:
     """(SMs, shared memory per block) the launchers plan with for ``arch``: the device's own
     where it is that architecture, else the table's."""
@@ -245,51 +279,39 @@ def _require_jit(todo: list[tuple]) -> None:
                              "unset TRITON_INTERPRET)")
 
 
-def compile_all(todo: list[tuple], arch: str) -> None:
+def compile_all(todo: list[tuple], arch: str, load: bool = True) -> list:
+    """Compile each launch of ``todo`` for ``arch`` through the JIT's own ``warmup`` (into
+    Triton's cache); the compiled kernels.  ``load``: on a GPU of that architecture, also
+    load each, as a first launch does."""
     _require_jit(todo)
-    on_device = device_arch() == arch
     with compiling_for(arch):
-        for kernel, args, meta in todo:
-            compiled = kernel.warmup(*args, grid=(1,), **meta)
-            if on_device:
-                # the launcher too: Triton releases that build a C launcher per signature
-                # (3.6) compile it with the C compiler at the first launch and cache it
-                # beside the binary; ``run`` builds it (and loads the binary) now
-                compiled.run
+        compiled = [kernel.warmup(*args, grid=(1,), **meta) for kernel, args, meta in todo]
+    if load and device_arch() == arch:
+        for binary in compiled:
+            # the launcher too: Triton releases that build a C launcher per signature
+            # (3.6) compile it with the C compiler at the first launch and cache it
+            # beside the binary; ``run`` builds it (and loads the binary) now
+            binary.run
+    return compiled
 
 
-def ship_part(todo: list[tuple], arch: str, part_file: str) -> None:
-    """A compiler process of ``--ship``: its share of the binaries, cubins beside ``part_file``
-    (in the parent's scratch folder), entries to ``part_file``."""
-    import json
-    from pathlib import Path
+def _compile_share(workload: dict, arch: str, ship: bool, stage_dir: str, share: slice) -> dict | None:
+    """A compiler process: its ``share`` of the variants into Triton's cache, or with ``ship``
+    their cubins into ``stage_dir`` and their manifest entries returned; ``None`` where it
+    failed, the traceback on stderr (not every Triton error pickles back to the parent).  It
+    lists the variants again: their JIT functions do not pickle."""
+    try:
+        todo = variants(workload["hosts"], [DTYPES[d] for d in workload["dtypes"]], workload["dims"], arch,
+                        generic=ship)[share]
+        compiled = compile_all(todo, arch, load=not ship)
+        if not ship:
+            return {}
+        from .kernels.triton import binaries_build
 
-    from .kernels.triton import binaries_build
-
-    _require_jit(todo)
-    entries = binaries_build.compile_part(todo, arch, _stage_dir(part_file), shared_limit=_facts(arch)[1])
-    Path(part_file).write_text(json.dumps(entries))
-
-
-def _stage_dir(part_file: str):
-    from pathlib import Path
-
-    return Path(part_file).parent / "cubins"
-
-
-def ship(todo: list[tuple], arch: str, out_root: str, parts: list[str], workload: dict) -> str:
-    """Merge the processes' entries into the archive; a line saying what was written."""
-    import json
-    from pathlib import Path
-
-    from .kernels.triton import binaries_build, binaries_loader
-
-    entries = {}
-    for part in parts:
-        entries.update(json.loads(Path(part).read_text()))
-    binaries_build.write_archive(todo, entries, arch, _stage_dir(parts[0]), Path(out_root), workload)
-    path = binaries_loader.archive_path(arch, Path(out_root))
-    return f"shipped {len(entries)} binaries in {path} ({path.stat().st_size / 2**20:.1f} MiB)"
+        return binaries_build.stage(todo, compiled, arch, Path(stage_dir), shared_limit=_facts(arch)[1])
+    except Exception:
+        traceback.print_exc()
+        return None
 
 
 def main(argv=None) -> int:
@@ -305,46 +327,36 @@ def main(argv=None) -> int:
                    help="build the binaries the package ships (an archive of cubins + manifest), not Triton's cache")
     p.add_argument("--out", default=None,
                    help="with --ship: the binaries folder (default: the package's kernels/triton/binaries)")
-    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--part-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     arch = args.arch or device_arch()
     if arch is None:
         p.error("no CUDA device here: name the target with --arch (e.g. sm_90)")
+    workload = {"hosts": args.hosts, "dtypes": args.dtypes, "dims": args.dims}
     todo = variants(args.hosts, [DTYPES[d] for d in args.dtypes], args.dims, arch, generic=args.ship)
     if args.list:
         for v in todo:
             print(describe(*v))
         print(f"{len(todo)} variants for {arch}")
         return 0
-    out_root = args.out or str(_binaries_dir())
-    if args.shard is not None:
-        index, count = map(int, args.shard.split("/"))
-        if args.ship:
-            ship_part(todo[index::count], arch, args.part_file)
-        else:
-            compile_all(todo[index::count], arch)
-        return 0
+    _require_jit(todo)
     t0 = time.perf_counter()
     jobs = max(1, min(args.jobs, len(todo)))
-    given = list(argv if argv is not None else sys.argv[1:])
     with tempfile.TemporaryDirectory() as scratch:
-        parts = [os.path.join(scratch, f"part{i}.json") for i in range(jobs)]
-        workers = [subprocess.Popen([sys.executable, "-m", "lik_plugins.precompile", *given, "--arch", arch,
-                                     "--out", out_root, "--shard", f"{i}/{jobs}", "--part-file", parts[i]])
-                   for i in range(jobs)]
-        failed = sum(w.wait() != 0 for w in workers)
+        # spawned, not forked: the parent may hold a CUDA context
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            share = partial(_compile_share, workload, arch, args.ship, scratch)
+            parts = list(pool.map(share, [slice(i, None, jobs) for i in range(jobs)]))
+        failed = parts.count(None)
         print(f"{len(todo)} variants for {arch} in {time.perf_counter() - t0:.1f} s ({jobs} processes)"
               + (f"; {failed} failed" if failed else ""))
         if args.ship and not failed:
-            print(ship(todo, arch, out_root, parts, {"hosts": args.hosts, "dtypes": args.dtypes, "dims": args.dims}))
+            from .kernels.triton import binaries_build
+
+            entries = {key: entry for part in parts for key, entry in part.items()}
+            out = Path(args.out) if args.out else None
+            path = binaries_build.write_archive(todo, entries, arch, Path(scratch), out, workload)
+            print(f"shipped {len(entries)} binaries in {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 1 if failed else 0
-
-
-def _binaries_dir():
-    from .kernels.triton.binaries_loader import BINARIES_DIR
-
-    return BINARIES_DIR
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def test_blanking_the_ptx_text_leaves_the_code_and_the_layout(tmp_path):
     """The build zeroes the PTX source ``-lineinfo`` embeds: the disassembled SASS, the
     section table and every other byte stay as ptxas wrote them."""
     code = ("import torch, pathlib; from lik_plugins.kernels.triton import variants as v; "
-            "from lik_plugins.kernels.triton.offline import compiling_for; "
+            "from lik_plugins.precompile import compiling_for; "
             "from lik_plugins.kernels.triton.binaries_build import without_ptx_text; "
             "x = torch.empty(100, device='meta'); out = pathlib.Path(%r)\n"
             "with compiling_for('sm_90'):\n"

@@ -22,17 +22,7 @@ from pathlib import Path
 
 from . import binaries_cuda as cuda
 from .binaries_loader import FORMAT, MANIFEST, archive_path, file_key, variant_key
-from .offline import compiling_for
 from .variants import group, kernel_name, variant
-
-
-def entry_for(kernel, args: tuple, meta: dict, compiled) -> dict:
-    """The manifest entry of one compiled variant (its cubin is ``compiled.asm['cubin']``)."""
-    md = compiled.metadata
-    codes = cuda.launch_codes(compiled, len(args))
-    cubin = compiled.asm["cubin"]
-    return {"kernel": md.name, "function": md.name, "file": hashlib.sha256(cubin).hexdigest()[:24] + ".cubin",
-            "num_warps": md.num_warps, "shared": md.shared, "params": codes}
 
 
 # The section ``ptxas -lineinfo`` fills with the kernel's PTX source, for debuggers and
@@ -58,26 +48,26 @@ def without_ptx_text(cubin: bytes) -> bytes:
     return bytes(out)
 
 
-def compile_part(todo: list[tuple], arch: str, stage_dir: Path, shared_limit: int) -> dict:
-    """Compile ``todo`` (``(kernel, args, meta)`` launches) for ``arch``, write their
-    cubins into ``stage_dir`` and return ``{key: entry}``.  A binary needing more shared
-    memory than ``shared_limit`` (the target's per-block opt-in) fails the build: the launchers
-    planned a config that GPU cannot run."""
+def stage(todo: list[tuple], compiled: list, arch: str, stage_dir: Path, shared_limit: int) -> dict:
+    """Write the cubins of ``todo``'s launches (``(kernel, args, meta)``, compiled for ``arch``
+    as ``compiled``) into ``stage_dir`` and return their manifest entries, ``{key: entry}``.
+    A binary needing more shared memory than ``shared_limit`` (the target's per-block opt-in)
+    fails the build: the launchers planned a config that GPU cannot run."""
     stage_dir.mkdir(parents=True, exist_ok=True)
     entries = {}
-    with compiling_for(arch):
-        for kernel, args, meta in todo:
-            compiled = kernel.warmup(*args, grid=(1,), **meta)
-            entry = entry_for(kernel, args, meta, compiled)
-            if entry["shared"] > shared_limit:
-                raise ValueError(f"{entry['function']} {meta}: needs {entry['shared']} bytes of shared memory, "
-                                 f"{arch} has {shared_limit}")
-            needed = variant(kernel, args, meta)
-            entry["group"], entry["hints"] = group(needed)
-            path = stage_dir / entry["file"]
-            if not path.exists():
-                path.write_bytes(without_ptx_text(compiled.asm["cubin"]))
-            entries[variant_key(needed)] = entry
+    for (kernel, args, meta), binary in zip(todo, compiled):
+        md, cubin = binary.metadata, binary.asm["cubin"]
+        entry = {"kernel": md.name, "function": md.name, "file": hashlib.sha256(cubin).hexdigest()[:24] + ".cubin",
+                 "num_warps": md.num_warps, "shared": md.shared, "params": cuda.launch_codes(binary, len(args))}
+        if entry["shared"] > shared_limit:
+            raise ValueError(f"{entry['function']} {meta}: needs {entry['shared']} bytes of shared memory, "
+                             f"{arch} has {shared_limit}")
+        needed = variant(kernel, args, meta)
+        entry["group"], entry["hints"] = group(needed)
+        path = stage_dir / entry["file"]
+        if not path.exists():
+            path.write_bytes(without_ptx_text(cubin))
+        entries[variant_key(needed)] = entry
     return entries
 
 
@@ -95,12 +85,12 @@ def ptxas_release() -> tuple[int, int]:
 _MEMBER_DATE = (2020, 1, 1, 0, 0, 0)
 
 
-def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, out_root: Path,
-                  workload: dict | None = None) -> dict:
-    """``out_root/<arch>.zip``: the manifest of the merged ``entries`` and the cubins they
-    name (from ``stage_dir``), deflated, in a stable order.  ``workload``: the precompile
-    arguments the variants came from (hosts, dtypes, dims), so a check can list them again
-    and compare."""
+def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, out_root: Path | None,
+                  workload: dict) -> Path:
+    """Write ``<arch>.zip`` under ``out_root`` (default the package's binaries folder): the
+    manifest of the merged ``entries`` and the cubins they name (from ``stage_dir``), deflated,
+    in a stable order; its path.  ``workload``: the precompile arguments the variants came
+    from (hosts, dtypes, dims), so a check can list them again and compare."""
     import triton
     import torch
 
@@ -109,15 +99,15 @@ def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, 
         file_keys.setdefault(kernel_name(kernel), file_key(kernel))
     major, minor = ptxas_release()
     manifest = {
-        "format": FORMAT, "arch": arch, "workload": workload or {},
+        "format": FORMAT, "arch": arch, "workload": workload,
         "built_with": {"triton": triton.__version__, "torch": torch.__version__, "ptxas": f"{major}.{minor}"},
         # a cubin needs a driver of its ptxas' major CUDA release or newer (minor-version compatibility)
         "cuda_driver": major * 1000,
         "file_keys": dict(sorted(file_keys.items())),
         "variants": dict(sorted(entries.items())),
     }
-    out_root.mkdir(parents=True, exist_ok=True)
     path = archive_path(arch, out_root)
+    path.parent.mkdir(parents=True, exist_ok=True)
     members = [(MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())]
     members += [(name, (stage_dir / name).read_bytes()) for name in sorted({e["file"] for e in entries.values()})]
     partial = path.with_suffix(".zip.partial")
@@ -127,4 +117,4 @@ def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, 
             info.compress_type = zipfile.ZIP_DEFLATED
             archive.writestr(info, data, compresslevel=9)
     partial.replace(path)          # a reader never sees half an archive
-    return manifest
+    return path
