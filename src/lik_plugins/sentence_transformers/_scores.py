@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from .._config import disabled
-from .._routing import record
+from .._routing import listed_table, record
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -76,12 +76,6 @@ def bind(originals: dict[str, Callable] | None, similarity_module: Any, active: 
 
 def _serving() -> bool:
     return _active and not disabled()
-
-
-def _ops():
-    from .. import ops
-
-    return ops
 
 
 # --------------------------------------------------------------------------- chunk scorers
@@ -117,9 +111,7 @@ def _servable_chunk(a, b, a_mask, b_mask, pairs: bool) -> bool:
 def _finish(scores: torch.Tensor, a_mask, b_mask) -> torch.Tensor:
     """ST's output dtype (float32 times the query mask's dtype) and its empty-document sentinel."""
     if a_mask is not None:
-        out_dtype = torch.promote_types(torch.float32, a_mask.dtype)
-        if out_dtype != scores.dtype:
-            scores = scores.to(out_dtype)
+        scores = scores.to(torch.promote_types(torch.float32, a_mask.dtype))
     if b_mask is not None:
         scores = _similarity_module._fill_empty_document_scores(scores, ~b_mask.bool().any(dim=-1))
     return scores
@@ -132,7 +124,8 @@ def _score_chunk(a, b, a_mask, b_mask, pairs: bool):
     if not (_serving() and _servable_chunk(a, b, a_mask, b_mask, pairs=pairs)):
         record(entry, "original")
         return _originals[original](a, b, a_mask, b_mask)
-    ops = _ops()
+    from .. import ops
+
     record(entry, ops.served_by(a))
     op = ops.maxsim_pairs if pairs else ops.maxsim
     return _finish(op(a, b, a_mask, b_mask, mask_mode="exclude").float(), a_mask, b_mask)
@@ -151,10 +144,6 @@ def score_pairs(a, b, a_mask, b_mask):
 # ------------------------------------------------------------------------ the chunk loops
 
 
-def _prepadded(x) -> bool:
-    return isinstance(x, (torch.Tensor, np.ndarray))
-
-
 def _one_chunk(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call with ``chunk_elements`` raised so that ST's loop runs once, when both sides
     are already padded and the query mask is one the fused scorer serves."""
@@ -164,7 +153,7 @@ def _one_chunk(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     bound = signature.bind(*args, **kwargs)  # ST's own TypeError on a bad call comes from ST below
     a, b = bound.arguments.get("a"), bound.arguments.get("b")
     a_mask = bound.arguments.get("a_mask")
-    if not (_prepadded(a) and _prepadded(b)):
+    if not (isinstance(a, (torch.Tensor, np.ndarray)) and isinstance(b, (torch.Tensor, np.ndarray))):
         return args, kwargs
     if a_mask is not None and not (isinstance(a_mask, torch.Tensor) and _binary_query_mask(a_mask)):
         return args, kwargs
@@ -200,14 +189,12 @@ def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if not isinstance(b[0], torch.Tensor) or b[0].device != device or (
             target is not None and torch.device(target) != device):
         return None
-    if _ops().served_by(first) != "triton":
+    _, table = listed_table(first, device, b, [q.shape[0] for q in a])
+    if table is None or isinstance(table, str):
         return None
-    from ..kernels.triton.listed import candidate_table, score_table
+    from ..kernels.triton.listed import score_table
 
     nq = len(a)
-    table = candidate_table(b, dtype, dim, device, extra=[q.shape[0] for q in a])
-    if isinstance(table, str):
-        return None
     # every document is a plain tensor now (candidate_table checked): one C-level pass
     if torch.is_grad_enabled() and (any(q.requires_grad for q in a) or any(map(_REQUIRES_GRAD, b))):
         return None   # scores only: a gradient goes through ST's chunk scorers
@@ -265,10 +252,8 @@ def _fold(name: str, pairwise: bool) -> Callable:
                 convert = _similarity_module._convert_to_tensor
                 Q = convert(params.pop("queries_embeddings"))
                 D = convert(params.pop("documents_embeddings"))
-                q_mask = params.pop("queries_mask", None)
-                d_mask = params.pop("documents_mask", None)
-                q_mask = None if q_mask is None else convert(q_mask)
-                d_mask = None if d_mask is None else convert(d_mask)
+                q_mask, d_mask = (None if m is None else convert(m)
+                                  for m in (params.pop("queries_mask", None), params.pop("documents_mask", None)))
             except Exception:  # noqa: BLE001 -- a bad call or input: ST raises its own error below
                 Q = None
         if (
