@@ -102,26 +102,20 @@ class LaunchLayout:
 
     def __init__(self, codes: str):
         kept = [i for i, c in enumerate(codes) if c != DROPPED]
-        kept_codes = [codes[i] for i in kept]
         self.codes = codes
         self.slots = len(kept) + SCRATCH_POINTERS
         self.buffer = ctypes.create_string_buffer(8 * self.slots)      # scratch slots stay 0: null pointers
         base = ctypes.addressof(self.buffer)
         self.params = (ctypes.c_void_p * self.slots)(*[base + 8 * k for k in range(self.slots)])
-        self._n_args = len(codes)
         # one generated function per layout: index, read addresses and pack in a single
         # Python call (a loop over the arguments costs several times as much per launch)
         values = ", ".join(f"a[{i}].data_ptr()" if codes[i] == POINTER else f"a[{i}]" for i in kept)
-        scope = {"_pack": struct.Struct("<" + "".join(_SLOT[c] for c in kept_codes)).pack_into,
+        scope = {"_pack": struct.Struct("<" + "".join(_SLOT[codes[i]] for i in kept)).pack_into,
                  "_buffer": self.buffer}
         exec(f"def pack(a):\n    _pack(_buffer, 0{', ' if values else ''}{values})\n", scope)
-        self._pack_values = scope["pack"]
-
-    def pack(self, args) -> None:
-        """Write one call's arguments into the slots (tensors as their device addresses)."""
-        if len(args) != self._n_args:
-            raise TypeError(f"the binary takes {self._n_args} positional arguments, the launch passed {len(args)}")
-        self._pack_values(args)
+        # pack(args): one call's arguments into the slots (tensors as their device addresses);
+        # ShippedKernel checks their count
+        self.pack = scope["pack"]
 
     def param_sizes(self) -> list[int]:
         """The size of each kernel parameter in order, scratch pointers included."""
@@ -256,7 +250,7 @@ class ShippedKernel:
         # the slots are shared by every call of this variant; the driver call releases the
         # GIL, so two threads launching it at once must not interleave packing and launch
         self._lock = threading.Lock()
-        self._launch, self._pack, self._params = driver._launch, layout._pack_values, layout.params
+        self._launch, self._pack, self._params = driver._launch, layout.pack, layout.params
         self._n_args = len(layout.codes)
 
     def __call__(self, grid: tuple, stream: int, args: tuple) -> None:

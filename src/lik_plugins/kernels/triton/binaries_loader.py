@@ -59,7 +59,6 @@ _UNSERVED_KEPT = 16
 _file_keys: dict = {}              # id(kernel) -> file_key(kernel)
 _driver_checked: dict = {}         # ordinal -> True, or why the JIT's binaries stay on the JIT's launcher
 _jit_only: dict = {}               # kernel name -> why a JIT binary of it cannot launch through the driver
-_UNSEEN = object()
 
 
 def file_key(kernel) -> str:
@@ -168,10 +167,9 @@ class _Device:
         """The manifest key of the binary that serves a launch of ``variant``: its own, else
         the most specialised one of its group whose hints the launch satisfies; decided once
         per variant."""
-        key = self.chosen.get(variant, _UNSEEN)
-        if key is _UNSEEN:
-            key = self.chosen[variant] = self._choose(variant)
-        return key
+        if variant not in self.chosen:
+            self.chosen[variant] = self._choose(variant)
+        return self.chosen[variant]
 
     def _choose(self, variant: tuple) -> str | None:
         key = variant_key(variant)
@@ -190,7 +188,7 @@ class _Device:
                 return other
         return None
 
-    def kernel(self, key: str):
+    def kernel(self, key: str | None):
         found = self.loaded.get(key)
         if found is None:
             entry = self.entries.get(key)
@@ -359,8 +357,7 @@ def find(kernel, variant: tuple, ordinal: int):
                         if name in device.file_keys else f"{name}: not among the shipped kernels")
         return None
     try:
-        key = device.key_for(variant)
-        shipped = None if key is None else device.kernel(key)
+        shipped = device.kernel(device.key_for(variant))
     except Exception as exc:
         _stale[name] = f"{name}: a binary failed to load ({type(exc).__name__}: {exc})"
         return None
@@ -380,9 +377,9 @@ def diagnostics() -> dict:
     ``driver_launch`` (ordinal -> True where the JIT's binaries launch through the driver,
     else the reason), ``jit_only`` (name -> why a JIT binary of that kernel launches through
     Triton's own launcher), ``kernels`` whose shipped binaries are not used (name -> reason),
-    ``missing`` (name -> launches of a variant
-    no shipped binary serves, which went through the JIT) and ``unserved`` (name -> the
-    first of those variants' keys: what a wider precompile grid would add)."""
+    ``missing`` (name -> launches of a variant no shipped binary serves, which went through
+    the JIT) and ``unserved`` (name -> the first of those variants' keys: what a wider
+    precompile grid would add)."""
     devices = {}
     for ordinal, device in sorted(_devices.items()):
         devices[ordinal] = device if isinstance(device, str) else {
@@ -394,12 +391,5 @@ def diagnostics() -> dict:
 
 def reset() -> None:
     """Forget every device and reason (the next launch opens them again); tests use it."""
-    _driver.clear()
-    _devices.clear()
-    _stale.clear()
-    _missing.clear()
-    _unserved.clear()
-    _file_keys.clear()
-    _file_shas.clear()
-    _driver_checked.clear()
-    _jit_only.clear()
+    for state in (_driver, _devices, _stale, _missing, _unserved, _file_keys, _file_shas, _driver_checked, _jit_only):
+        state.clear()
