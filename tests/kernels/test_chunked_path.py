@@ -238,3 +238,16 @@ def test_exact_ties_go_to_the_lowest_index(gen, monkeypatch, layout, budget):
     if budget is not None:
         monkeypatch.setenv("LIK_CHUNK_ELEMENTS", budget)
     check_exact_ties(gen, layout, chunked.forward)
+
+
+def test_built_documents_without_any_winner_get_zero_gradients(gen):
+    """Every projected document token masked: no token wins anywhere, so the winner
+    backward has no rows to rebuild, and every gradient is an exact zero."""
+    Q = torch.randn(2, 3, 8, generator=gen, requires_grad=True)
+    H = torch.randn(4, 5, 16, generator=gen, requires_grad=True)
+    W = torch.randn(8, 16, generator=gen, requires_grad=True)
+    b = torch.randn(8, generator=gen, requires_grad=True)
+    scores = lik.maxsim_from_hidden(Q, H, W, b, torch.zeros(4, 5, dtype=torch.bool))
+    assert torch.equal(scores, torch.zeros(2, 4))
+    for g, x in zip(torch.autograd.grad(scores, (Q, H, W, b), torch.randn(2, 4, generator=gen)), (Q, H, W, b)):
+        assert torch.equal(g, torch.zeros_like(x))

@@ -30,7 +30,7 @@ def _rows_per_chunk(per_row: int, total: int) -> int:
     return max(1, min(total, chunk_elements() // max(per_row, 1)))
 
 
-def _chunks(n_outer: int, per_outer: int) -> list[slice]:
+def chunk_slices(n_outer: int, per_outer: int) -> list[slice]:
     """``range(n_outer)`` cut into slices of at most ``LIK_CHUNK_ELEMENTS // per_outer`` (at least 1)."""
     step = _rows_per_chunk(per_outer, n_outer)
     return [slice(i, i + step) for i in range(0, n_outer, step)]
@@ -61,6 +61,26 @@ def _reduce_rows(sim, q_valid, d_valid, zero_mode, d_present=None):
     return values, winner
 
 
+def _similarity_chunks(Q, D, cross, cdt, rq=None, rd=None):
+    """``(index, qc, dc, sim)`` for every chunk of the similarities, tokens in ``cdt`` (scaled
+    by the inverse norms ``rq`` / ``rd`` when given).  A cross product: a chunk of queries
+    ``qc`` against a chunk of documents ``dc``, ``index = (qs, ds)`` into the ``[Nq, NJ]``
+    scores; candidates: a chunk of queries with all their documents, ``index = qs``."""
+    nq, lq, _ = Q.shape
+    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
+    if cross:
+        for qs in chunk_slices(nq, _rows_per_chunk(lq * ld, nj) * lq * ld):
+            qc = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
+            for ds in chunk_slices(nj, lq * ld):
+                dc = _scaled(D[ds], None if rd is None else rd[ds], cdt)
+                yield (qs, ds), qc, dc, torch.einsum("ash,bth->abst", qc, dc)
+    else:
+        for qs in chunk_slices(nq, nj * lq * ld):
+            qc = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
+            dc = _scaled(D[qs], None if rd is None else rd[qs], cdt)
+            yield qs, qc, dc, torch.einsum("ash,akth->akst", qc, dc)
+
+
 def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     """Scores ``[Nq, NJ]`` (fp32, or fp64 for fp64 inputs) and, if asked, the argmax
     (``[Nq, NJ, Lq]`` of :func:`~lik_plugins.kernels.common.argmax_dtype`, -1: no winner)."""
@@ -71,66 +91,64 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
     rd = inverse_norms(D) if normalize else None
     scores = torch.empty((nq, nj), dtype=cdt, device=Q.device)
     argmax = torch.empty((nq, nj, lq), dtype=argmax_dtype(ld), device=Q.device) if save_argmax else None
-
-    if cross:
-        cd = _rows_per_chunk(lq * ld, nj)
-        for qs in _chunks(nq, cd * lq * ld):
-            qc = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
-            qv = None if q_mask is None else q_mask[qs]
-            for ds in _chunks(nj, lq * ld):
-                dc = _scaled(D[ds], None if rd is None else rd[ds], cdt)
-                sim = torch.einsum("ash,bth->abst", qc, dc)
-                dv = None if d_mask is None else d_mask[ds].unsqueeze(0).expand(sim.shape[0], -1, -1)
-                values, winner = _reduce_rows(sim, qv, dv, zero_mode)
-                scores[qs, ds] = values.sum(-1)
-                if argmax is not None:
-                    argmax[qs, ds] = winner
-    else:
-        for qs in _chunks(nq, nj * lq * ld):
-            qc = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
-            dc = _scaled(D[qs], None if rd is None else rd[qs], cdt)
-            sim = torch.einsum("ash,akth->akst", qc, dc)
-            qv = None if q_mask is None else q_mask[qs]
-            dv = None if d_mask is None else d_mask[qs]
-            values, winner = _reduce_rows(sim, qv, dv, zero_mode)
-            scores[qs] = values.sum(-1)
-            if argmax is not None:
-                argmax[qs] = winner
+    for index, _, _, sim in _similarity_chunks(Q, D, cross, cdt, rq, rd):
+        qs, ds = index if cross else (index, index)
+        qv = None if q_mask is None else q_mask[qs]
+        # a cross product's document masks hold for every query of the chunk
+        dv = None if d_mask is None else d_mask[ds].expand(*sim.shape[:2], -1)
+        values, winner = _reduce_rows(sim, qv, dv, zero_mode)
+        scores[index] = values.sum(-1)
+        if argmax is not None:
+            argmax[index] = winner
     return scores, argmax
 
 
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="lowmem", q_masked=True):
     """Gradients through the saved winners only: gather for Q, scatter-add for D."""
     del strategy, q_masked  # one deterministic strategy here; masked rows are gathered, never multiplied
-    nq, lq, dim = Q.shape
+    dim = Q.shape[-1]
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
-    cdt = accumulation_dtype(Q.dtype)
-    grad = grad.to(cdt)
     rq = inverse_norms(Q) if normalize else None
     rd = inverse_norms(D) if normalize else None
-    d_rows = _scaled(D, rd, cdt).reshape(-1, dim) if need_q else None  # only for Q's gather
-    gq = torch.zeros((nq, lq, dim), dtype=cdt, device=Q.device) if need_q else None
-    gd = torch.zeros((D.numel() // max(dim, 1), dim), dtype=cdt, device=D.device) if need_d else None
+    doc_ids = torch.arange(nj, device=Q.device).view(1, nj, 1)
 
-    for qs in _chunks(nq if ld else 0, nj * lq * dim):  # Ld = 0: no winners, zero gradients
-        win = argmax[qs]  # [a, NJ, Lq]
-        ok = win >= 0
-        if cross:
-            flat = torch.arange(nj, device=Q.device).view(1, nj, 1) * ld + win.clamp_min(0)
-        else:
-            rows = torch.arange(qs.start, qs.start + win.shape[0], device=Q.device).view(-1, 1, 1)
-            flat = (rows * nj + torch.arange(nj, device=Q.device).view(1, nj, 1)) * ld + win.clamp_min(0)
-        weight = grad[qs].unsqueeze(-1) * ok.to(cdt)  # [a, NJ, Lq]
+    def winners(qs):
+        win = argmax[qs]                                                        # [a, NJ, Lq]
+        docs = doc_ids
+        if not cross:  # candidates: query q's k-th document is document q * NJ + k of D's rows
+            docs = torch.arange(qs.start, qs.start + win.shape[0], device=Q.device).view(-1, 1, 1) * nj + doc_ids
+        return docs * ld + win.clamp_min(0), win >= 0
+
+    d_rows = _scaled(D, rd, accumulation_dtype(Q.dtype)).reshape(-1, dim) if need_q else None  # only for Q's gather
+    gq, gd = _winner_gradients(grad, Q, rq, winners, d_rows, D.numel() // max(dim, 1), need_q=need_q,
+                               need_rows=need_d)
+    return _finish(gq, Q, rq, normalize), _finish(None if gd is None else gd.view(D.shape), D, rd, normalize)
+
+
+def _winner_gradients(grad, Q, rq, winners, rows, n_rows, *, need_q, need_rows):
+    """The chunk loop of every backward through saved winners: ``winners(qs)`` gives, for
+    the queries ``qs``, each row's winning row among ``n_rows`` and whether it has one
+    (``[a, NJ, Lq]`` each; the index of a row without a winner is any row in bounds).
+    ``rows [n_rows, d]`` (compute dtype, needed for grad_Q only) are those rows as scored,
+    ``rq`` the inverse norms the forward scaled ``Q`` by.  Returns (grad_Q before the
+    normalisation's Jacobian, grad of the rows ``[n_rows, d]``), None where not needed."""
+    nq, lq, dim = Q.shape
+    nj = grad.shape[1]
+    cdt = accumulation_dtype(Q.dtype)
+    gq = torch.zeros((nq, lq, dim), dtype=cdt, device=Q.device) if need_q else None
+    g_rows = torch.zeros((n_rows, dim), dtype=cdt, device=Q.device) if need_rows else None
+    for qs in chunk_slices(nq if n_rows else 0, nj * lq * dim):  # no rows: no winners, zero gradients
+        index, ok = winners(qs)
+        weight = grad[qs].to(cdt).unsqueeze(-1) * ok.to(cdt)                  # [a, NJ, Lq]
         if need_q:
-            # rows without a winner point at token 0: zero them so a NaN there cannot leak
-            gathered = d_rows[flat.reshape(-1)].view(*flat.shape, dim).masked_fill(~ok.unsqueeze(-1), 0)
+            # rows without a winner point at some row: zero them so a NaN there cannot leak
+            gathered = rows[index.reshape(-1)].view(*index.shape, dim).masked_fill(~ok.unsqueeze(-1), 0)
             gq[qs] = torch.einsum("ajs,ajsh->ash", weight, gathered)
-        if need_d:
+        if need_rows:
             qh = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
             contrib = (weight.unsqueeze(-1) * qh.unsqueeze(1)).masked_fill(~ok.unsqueeze(-1), 0)  # [a, NJ, Lq, d]
-            gd.index_add_(0, flat.reshape(-1), contrib.reshape(-1, dim))
-
-    return _finish(gq, Q, rq, normalize), _finish(None if gd is None else gd.view(D.shape), D, rd, normalize)
+            g_rows.index_add_(0, index.reshape(-1), contrib.reshape(-1, dim))
+    return gq, g_rows
 
 
 def _finish(g, X, inv_norm, normalize):
@@ -155,16 +173,8 @@ def smooth_forward(Q, D, tau: float, cross: bool):
     nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
     lse = torch.empty((nq, nj, lq), dtype=cdt, device=Q.device)
     inv_tau = 1.0 / tau
-    if cross:
-        for ds in _chunks(nj, lq * ld):
-            dc = D[ds].to(cdt)
-            for qs in _chunks(nq, (ds.stop - ds.start) * lq * ld):
-                sim = torch.einsum("ash,bth->abst", Q[qs].to(cdt), dc)
-                lse[qs, ds] = torch.logsumexp(sim.mul_(inv_tau), dim=-1)
-    else:
-        for qs in _chunks(nq, nj * lq * ld):
-            sim = torch.einsum("ash,akth->akst", Q[qs].to(cdt), D[qs].to(cdt))
-            lse[qs] = torch.logsumexp(sim.mul_(inv_tau), dim=-1)
+    for index, _, _, sim in _similarity_chunks(Q, D, cross, cdt):
+        lse[index] = torch.logsumexp(sim.mul_(inv_tau), dim=-1)
     scores = lse.sum(dim=-1) * tau
     return scores, lse
 
@@ -173,32 +183,23 @@ def smooth_backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need
     """Gradients from recomputed softmax weights ``P = exp(S / tau - lse)``:
     ``dQ[q, s] = sum_j g[q, j] sum_t P D[j, t]``, ``dD[j, t] = sum_q g[q, j] sum_s P Q[q, s]``."""
     cdt = lse.dtype
-    nq, lq, _ = Q.shape
-    nj, ld = (D.shape[0], D.shape[1]) if cross else (D.shape[1], D.shape[2])
     gq = torch.zeros(Q.shape, dtype=cdt, device=Q.device) if need_q else None
     gd = torch.zeros(D.shape, dtype=cdt, device=D.device) if need_d else None
     grad = grad.to(cdt)
     inv_tau = 1.0 / tau
-    if cross:
-        for ds in _chunks(nj, lq * ld):
-            dc = D[ds].to(cdt)
-            for qs in _chunks(nq, (ds.stop - ds.start) * lq * ld):
-                qc = Q[qs].to(cdt)
-                sim = torch.einsum("ash,bth->abst", qc, dc).mul_(inv_tau)
-                w = sim.sub_(lse[qs, ds].unsqueeze(-1)).exp_().mul_(grad[qs, ds, None, None])
-                if need_q:
-                    gq[qs] += torch.einsum("abst,bth->ash", w, dc)
-                if need_d:
-                    gd[ds] += torch.einsum("abst,ash->bth", w, qc)
-    else:
-        for qs in _chunks(nq, nj * lq * ld):
-            qc, dc = Q[qs].to(cdt), D[qs].to(cdt)
-            sim = torch.einsum("ash,akth->akst", qc, dc).mul_(inv_tau)
-            w = sim.sub_(lse[qs].unsqueeze(-1)).exp_().mul_(grad[qs, :, None, None])
+    for index, qc, dc, sim in _similarity_chunks(Q, D, cross, cdt):
+        w = sim.mul_(inv_tau).sub_(lse[index].unsqueeze(-1)).exp_().mul_(grad[index][..., None, None])
+        if cross:  # a chunk of the queries' gradient sums over document chunks, and the other way round
+            qs, ds = index
             if need_q:
-                gq[qs] = torch.einsum("akst,akth->ash", w, dc)
+                gq[qs] += torch.einsum("abst,bth->ash", w, dc)
             if need_d:
-                gd[qs] = torch.einsum("akst,ash->akth", w, qc)
+                gd[ds] += torch.einsum("abst,ash->bth", w, qc)
+        else:
+            if need_q:
+                gq[index] = torch.einsum("akst,akth->ash", w, dc)
+            if need_d:
+                gd[index] = torch.einsum("akst,ash->akth", w, qc)
     return gq, gd
 
 
@@ -209,9 +210,9 @@ def smooth_backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need
 
 def forward_built(Q, build, n_docs, ld, d_mask, *, normalize_docs, normalize_queries, save_argmax):
     """Cross-product scores of ``Q [Nq, Lq, d]`` against ``n_docs`` documents of ``ld`` tokens,
-    ``build(start, stop) -> [stop - start, ld, d]`` fp32 (unnormalised) making them a chunk
-    at a time.  Each built token is normalised in fp32 (``normalize_docs``) and rounded to
-    ``Q``'s dtype, as the Triton kernel does; the queries are normalised only with
+    ``build(docs) -> [len, ld, d]`` fp32 (unnormalised) making the documents of the slice
+    ``docs`` a chunk at a time.  Each built token is normalised in fp32 (``normalize_docs``)
+    and rounded to ``Q``'s dtype, as the Triton kernel does; the queries are normalised only with
     ``normalize_queries`` (the residual ops normalise both sides, the projection head the
     documents only).  Returns (scores, argmax or None)."""
     nq, lq, dim = Q.shape
@@ -221,18 +222,16 @@ def forward_built(Q, build, n_docs, ld, d_mask, *, normalize_docs, normalize_que
     if normalize_queries:
         # once for every chunk, in the compute dtype, as forward() would scale each chunk
         Q = _scaled(Q, inverse_norms(Q), accumulation_dtype(Q.dtype))
-    step = _rows_per_chunk(ld * max(dim, 1), n_docs)
-    for start in range(0, n_docs, step):
-        stop = min(n_docs, start + step)
-        docs = build(start, stop)
+    for docs in chunk_slices(n_docs, ld * max(dim, 1)):
+        tokens = build(docs)
         if normalize_docs:
-            docs = docs * inverse_norms(docs).unsqueeze(-1)
-        dm = None if d_mask is None else d_mask[start:stop]
-        part, arg = forward(Q, docs.to(doc_dtype), None, dm, cross=True, normalize=False,
+            tokens = tokens * inverse_norms(tokens).unsqueeze(-1)
+        dm = None if d_mask is None else d_mask[docs]
+        part, arg = forward(Q, tokens.to(doc_dtype), None, dm, cross=True, normalize=False,
                             zero_mode=False, save_argmax=save_argmax)
-        scores[:, start:stop] = part
+        scores[:, docs] = part
         if argmax is not None:
-            argmax[:, start:stop] = arg
+            argmax[:, docs] = arg
     return scores, argmax
 
 
@@ -256,23 +255,10 @@ def backward_built(grad, Q, inverse, ok, rows_hat, *, normalize_queries, need_q,
     ``inverse`` and ``ok`` come along) were rebuilt.  ``normalize_queries``: the forward
     normalised ``Q`` (its Jacobian is applied here).  Returns ``(grad_Q or None,
     grad_rows_hat [U, d] or None)``: the gradient at each distinct winning token."""
-    nq, lq, dim = Q.shape
-    cdt = accumulation_dtype(Q.dtype)
     rq = inverse_norms(Q) if normalize_queries else None
-    gq = torch.zeros((nq, lq, dim), dtype=cdt, device=Q.device) if need_q else None
-    g_rows = torch.zeros((rows_hat.shape[0], dim), dtype=cdt, device=Q.device) if need_rows else None
-    rows_hat = rows_hat.to(cdt)
-    nj = inverse.shape[1]
-    for qs in _chunks(nq, nj * lq * dim):
-        inv = inverse[qs]
-        weight = grad[qs].to(cdt).unsqueeze(-1) * ok[qs].to(cdt)                # [a, NJ, Lq]
-        if need_q:
-            gathered = rows_hat[inv.reshape(-1)].view(*inv.shape, dim).masked_fill(~ok[qs].unsqueeze(-1), 0)
-            gq[qs] = torch.einsum("ajs,ajsh->ash", weight, gathered)
-        if need_rows:
-            qh = _scaled(Q[qs], None if rq is None else rq[qs], cdt)
-            contrib = (weight.unsqueeze(-1) * qh.unsqueeze(1)).masked_fill(~ok[qs].unsqueeze(-1), 0)
-            g_rows.index_add_(0, inv.reshape(-1), contrib.reshape(-1, dim))
+    rows = rows_hat.to(accumulation_dtype(Q.dtype))
+    gq, g_rows = _winner_gradients(grad, Q, rq, lambda qs: (inverse[qs], ok[qs]), rows, rows.shape[0], need_q=need_q,
+                                   need_rows=need_rows)
     return _finish(gq, Q, rq, normalize_queries), g_rows
 
 
@@ -330,11 +316,8 @@ def _query_runs(pair_q: torch.Tensor):
     ids, counts = torch.unique_consecutive(pair_q, return_counts=True)
     if 4 * ids.numel() > pair_q.numel():
         return None
-    runs, start = [], 0
-    for i, n in enumerate(counts.tolist()):
-        runs.append((ids[i:i + 1], start, start + n))
-        start += n
-    return runs
+    stops = counts.cumsum(0).tolist()
+    return [(ids[i:i + 1], start, stop) for i, (start, stop) in enumerate(zip([0] + stops[:-1], stops))]
 
 
 def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, normalize, zero_mode, save_argmax):
@@ -352,7 +335,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
         n_pairs = pair_q.shape[0]
         scores = torch.empty((n_pairs,), dtype=cdt, device=device)
         argmax = torch.empty((n_pairs, max_q), dtype=arg_dtype, device=device) if save_argmax else None
-        for ps in _chunks(n_pairs, max(max_q, 1) * max(max_d, 1)):
+        for ps in chunk_slices(n_pairs, max(max_q, 1) * max(max_d, 1)):
             runs = _query_runs(pair_q[ps])
             if runs is None:
                 # one small product per pair, every pair's query gathered
@@ -380,14 +363,13 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     cd = _rows_per_chunk(per_doc, nd)
     q_ids = torch.arange(nq, device=device)
     d_ids = torch.arange(nd, device=device)
-    for qs in _chunks(nq, cd * per_doc):
+    for qs in chunk_slices(nq, cd * per_doc):
         qc, _, qv = _gather_padded(Q, rq, q_mask, cu_q, q_ids[qs], max_q, cdt)
-        for ds in _chunks(nd, per_doc):
+        for ds in chunk_slices(nd, per_doc):
             dc, dp, dv = _gather_padded(D, rd, d_mask, cu_d, d_ids[ds], max_d, cdt)
             sim = torch.einsum("ash,bth->abst", qc, dc)
-            a = sim.shape[0]
-            values, winner = _reduce_rows(sim, qv, dv.unsqueeze(0).expand(a, -1, -1), zero_mode,
-                                          dp.unsqueeze(0).expand(a, -1, -1))
+            masks_shape = (*sim.shape[:2], -1)  # the documents' masks hold for every query of the chunk
+            values, winner = _reduce_rows(sim, qv, dv.expand(masks_shape), zero_mode, dp.expand(masks_shape))
             scores[qs, ds] = values.sum(-1)
             if argmax is not None:
                 argmax[qs, ds] = winner
@@ -413,7 +395,7 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
         q_last, d_last = Q.shape[0] - 1, D.shape[0] - 1
         if pairs is not None:
             pair_q, pair_d = pairs[0].long(), pairs[1].long()
-            for ps in _chunks(pair_q.shape[0], max_q * dim):
+            for ps in chunk_slices(pair_q.shape[0], max_q * dim):
                 win = argmax[ps].long()
                 q_rows = cu_q[pair_q[ps]].long()[:, None] + t[None, :]
                 d_rows = cu_d[pair_d[ps]].long()[:, None] + win.clamp_min(0)
@@ -422,7 +404,7 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
             nd = cu_d.numel() - 1
             d_starts = cu_d[:-1].long().view(1, nd, 1)
             q_starts = cu_q[:-1].long()      # one start per query: ``cu_q`` has Nq + 1 entries
-            for qs in _chunks(q_starts.numel(), nd * max_q * dim):
+            for qs in chunk_slices(q_starts.numel(), nd * max_q * dim):
                 win = argmax[qs].long()                                             # [a, Nd, Lq]
                 q_rows = (q_starts[qs][:, None] + t[None, :]).unsqueeze(1).expand_as(win)
                 d_rows = d_starts + win.clamp_min(0)

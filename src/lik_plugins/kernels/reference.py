@@ -47,16 +47,14 @@ def _reduce(sim: torch.Tensor, q_valid: torch.Tensor, d_valid: torch.Tensor, mas
     dv = d_valid.unsqueeze(-2)
     if sim.shape[-1] == 0:
         row = sim.sum(dim=-1)  # zeros that stay on the autograd graph
-    elif mask_mode == "exclude":
-        row = sim.masked_fill(~dv, float("-inf")).max(dim=-1).values
-        has_valid = dv.any(dim=-1)
-        row = torch.where(has_valid, row, torch.zeros_like(row))
     else:
-        # A valid token wins a tie with a masked 0: take the max over valid tokens, and
-        # only if it is below 0 and a masked token exists does the masked 0 win.
-        best = sim.masked_fill(~dv, float("-inf")).max(dim=-1).values
-        has_masked = (~dv).any(dim=-1)
-        row = torch.where(has_masked & (best < 0), torch.zeros_like(best), best)
+        best = sim.masked_fill(~dv, float("-inf")).max(dim=-1).values  # over the valid tokens
+        if mask_mode == "exclude":
+            row = torch.where(dv.any(dim=-1), best, torch.zeros_like(best))
+        else:
+            # a valid token wins a tie with a masked 0: the masked 0 wins only when a masked
+            # token exists and every valid similarity is below 0
+            row = torch.where((~dv).any(dim=-1) & (best < 0), torch.zeros_like(best), best)
     row = torch.where(q_valid, row, torch.zeros_like(row))  # not a product: NaN * 0 is NaN
     return row.sum(dim=-1)
 
@@ -75,16 +73,9 @@ def maxsim(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
     promoted dtype of the inputs (use float64 inputs for an oracle).
     """
     Qn, Dn = _maybe_normalize(Q, normalize), _maybe_normalize(D, normalize)
-    nq, lq = Q.shape[0], Q.shape[1]
-    qv = _valid(q_mask, (nq, lq), Q.device)
-    if D.dim() == 3:
-        nd, ld = D.shape[0], D.shape[1]
-        sim = torch.einsum("ash,bth->abst", Qn, Dn)
-        dv = _valid(d_mask, (nd, ld), D.device)
-        return _reduce(sim, qv[:, None, :], dv[None, :, :], mask_mode)
-    k, ld = D.shape[1], D.shape[2]
-    sim = torch.einsum("ash,akth->akst", Qn, Dn)
-    dv = _valid(d_mask, (nq, k, ld), D.device)
+    sim = torch.einsum("ash,bth->abst" if D.dim() == 3 else "ash,akth->akst", Qn, Dn)
+    qv = _valid(q_mask, Q.shape[:2], Q.device)
+    dv = _valid(d_mask, D.shape[:-1], D.device)  # a cross product's [Nd, Ld] broadcasts over the queries
     return _reduce(sim, qv[:, None, :], dv, mask_mode)
 
 
@@ -120,15 +111,9 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return values.to(dtype) * scales.to(dtype).unsqueeze(-1)
 
 
-def maxsim_dequantised(
-    Q: tuple[torch.Tensor, torch.Tensor],
-    D: tuple[torch.Tensor, torch.Tensor],
-    q_mask: torch.Tensor | None = None,
-    d_mask: torch.Tensor | None = None,
-    *,
-    mask_mode: str = "exclude",
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+def maxsim_dequantised(Q: tuple[torch.Tensor, torch.Tensor], D: tuple[torch.Tensor, torch.Tensor],
+                       q_mask: torch.Tensor | None = None, d_mask: torch.Tensor | None = None, *,
+                       mask_mode: str = "exclude", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reference of :func:`lik_plugins.maxsim_fp8` and :func:`lik_plugins.maxsim_int8`:
     MaxSim of the dequantised ``(values, scales)`` tokens.  (The int8 kernels take exact
     int32 products and multiply by the two scales: the same number up to fp32 rounding.)"""
@@ -146,10 +131,7 @@ def smooth_maxsim(Q: torch.Tensor, D: torch.Tensor, *, tau: float, layout: str =
         layout = "candidates" if D.dim() == 4 else "cross"
     if layout == "pairs":
         return smooth_maxsim(Q, D.unsqueeze(1), tau=tau, layout="candidates").squeeze(1)
-    if layout == "cross":
-        sim = torch.einsum("ash,bth->abst", Q, D)
-    else:
-        sim = torch.einsum("ash,akth->akst", Q, D)
+    sim = torch.einsum("ash,bth->abst" if layout == "cross" else "ash,akth->akst", Q, D)
     return (tau * torch.logsumexp(sim / tau, dim=-1)).sum(dim=-1)
 
 
@@ -348,14 +330,8 @@ def _empty_scores(Q: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     return (Q.sum() + D.sum()).mul(0).reshape(1)[:0]
 
 
-def maxsim_padded(
-    queries: torch.Tensor,
-    documents: torch.Tensor,
-    query_lengths: torch.Tensor,
-    doc_lengths: torch.Tensor,
-    *,
-    normalize: bool = False,
-) -> torch.Tensor:
+def maxsim_padded(queries: torch.Tensor, documents: torch.Tensor, query_lengths: torch.Tensor,
+                  doc_lengths: torch.Tensor, *, normalize: bool = False) -> torch.Tensor:
     """Reference of :func:`lik_plugins.maxsim_padded`: ``[B, Lq, d]`` queries, each with
     its own ``[C, Ld, d]`` candidates; only the first ``query_lengths[b]`` /
     ``doc_lengths[b, c]`` tokens exist (the rest never take part)."""

@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from .._config import chunk_elements
 from . import chunked, reference
 from .common import accumulation_dtype, inverse_norms, project_out_norm
 
@@ -59,11 +58,10 @@ def residual_forward(Q, codes, residuals, doc_lengths, centroids, bucket_weights
     documents decompressed at a time."""
     nd, ld = codes.shape
 
-    def build(start, stop):
+    def build(docs):
         # padding may hold any code (as in the kernel): clamp its (ignored) lookup in bounds
-        chunk_codes = codes[start:stop].clamp(0, centroids.shape[0] - 1)
-        return reference.decompress_residual(chunk_codes, residuals[start:stop], centroids, bucket_weights,
-                                             nbits).float()
+        chunk_codes = codes[docs].clamp(0, centroids.shape[0] - 1)
+        return reference.decompress_residual(chunk_codes, residuals[docs], centroids, bucket_weights, nbits).float()
 
     return chunked.forward_built(Q, build, nd, ld, reference.lengths_mask(doc_lengths, ld), normalize_docs=normalize,
                                  normalize_queries=normalize, save_argmax=save_argmax)
@@ -98,9 +96,7 @@ def plaid_approx_score(scores: torch.Tensor, codes: torch.Tensor, doc_lengths: t
     bounded chunk of documents at a time (a gather and a max)."""
     n, ld = codes.shape
     out = torch.empty((n,), dtype=torch.float32, device=codes.device)
-    step = max(1, min(max(n, 1), chunk_elements() // max(ld * scores.shape[1], 1)))
-    for start in range(0, n, step):
-        chunk = slice(start, start + step)
+    for chunk in chunked.chunk_slices(n, ld * scores.shape[1]):
         # padding may hold any code (as maxsim_residual allows): look up centroid 0 there
         valid_codes = torch.where(reference.lengths_mask(doc_lengths[chunk], ld), codes[chunk], 0)
         out[chunk] = reference.plaid_approx_score(scores, valid_codes, doc_lengths[chunk])
@@ -125,7 +121,7 @@ def hidden_forward(Q, H, W, b, d_mask, *, normalize: bool, save_argmax: bool):
     """``(scores, argmax or None)`` of ``Q`` (as given) against ``normalize(H @ W.T + b)``,
     a bounded chunk of documents projected at a time."""
     nd, ld = H.shape[0], H.shape[1]
-    return chunked.forward_built(Q, lambda i, j: project_hidden(H[i:j], W, b), nd, ld, d_mask,
+    return chunked.forward_built(Q, lambda docs: project_hidden(H[docs], W, b), nd, ld, d_mask,
                                  normalize_docs=normalize, normalize_queries=False, save_argmax=save_argmax)
 
 
