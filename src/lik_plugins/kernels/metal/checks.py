@@ -140,8 +140,7 @@ def check_smooth(case: Case, dtype: torch.dtype, device="cpu") -> dict[str, floa
     scores, lse, gq, gd = scores.cpu(), lse.cpu(), gq.cpu(), gd.cpu()
     Q64 = Q.double().requires_grad_()
     D64 = D.double().requires_grad_()
-    layout = "cross" if cross else "candidates"
-    want = smooth_maxsim_reference(Q64, D64, tau=case.tau, layout=layout)
+    want = smooth_maxsim_reference(Q64, D64, tau=case.tau)   # its layout follows D: 3-D cross, 4-D candidates
     want_gq, want_gd = torch.autograd.grad(want, (Q64, D64), grad.double())
     sim = torch.einsum("ash,bth->abst", Q64, D64) if cross else torch.einsum("ash,akth->akst", Q64, D64)
     want_lse = torch.logsumexp(sim / case.tau, dim=-1)

@@ -18,10 +18,6 @@ Differences from the chunked path a caller should know:
 * ``strategy`` is ignored: the one backward is destination-owned and deterministic;
 * ``smooth_backward`` serves embeddings up to :data:`SMOOTH_MAX_DIM`; wider ones are
   computed by the chunked smooth-max backward on the same device.
-
-Fallback: :func:`serves` says whether a tensor can take this path (and why not);
-:func:`guarded` runs a Metal call and, on a compile failure or a device fault, warns once
-naming the reason, disables Metal for that dtype and runs the fallback instead.
 """
 from __future__ import annotations
 
@@ -118,9 +114,8 @@ def compile_or_reason(dtype: torch.dtype) -> str | None:
     """Build the library for ``dtype`` now: ``None`` on success, else the reason it cannot
     be used (a compile error, e.g. ``bfloat`` needs Metal 3.1 / macOS 14).  A failure
     disables Metal for ``dtype`` (see :func:`failure_reason`)."""
-    reason = _failures.get(dtype)
-    if reason is not None:
-        return reason
+    if dtype in _failures:
+        return _failures[dtype]
     try:
         library(dtype)
     except Exception as exc:  # the Metal compiler reports through RuntimeError and friends
@@ -138,12 +133,8 @@ def _record_failure(dtype: torch.dtype, exc: BaseException) -> str:
     first = dtype not in _failures
     _failures[dtype] = reason
     if first:
-        warnings.warn(
-            f"lik_plugins: the Metal kernels failed for {dtype} ({reason}); "
-            "the chunked PyTorch path serves these calls from now on",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"lik_plugins: the Metal kernels failed for {dtype} ({reason}); "
+                      "the chunked PyTorch path serves these calls from now on", RuntimeWarning, stacklevel=3)
     return reason
 
 
@@ -286,37 +277,31 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
             instead of "exclude".
         save_argmax: also return the winners (``-1``: masked query row, no valid token, or
             a masked 0 won in zero mode), as :func:`lik_plugins.kernels.chunked.forward`.
-
-    Example::
-
-        >>> scores, argmax = forward(Q, D, None, None, cross=True, normalize=False,
-        ...                          zero_mode=False, save_argmax=True)   # doctest: +SKIP
     """
     nq, lq, nj, ld, dim = _checked_shape(Q, D, cross)
     device = Q.device
     scores = torch.zeros((nq, nj), dtype=torch.float32, device=device)
     argmax = torch.full((nq, nj, lq), _NO_WINNER, dtype=torch.int32, device=device) if save_argmax else None
-    if nq == 0 or nj == 0 or lq == 0 or ld == 0:
-        return scores, (argmax.to(argmax_dtype(ld)) if argmax is not None else None)   # nothing to win
-    u8 = torch.empty(1, dtype=torch.uint8, device=device)
-    qm = _mask_bytes(q_mask, (nq, lq), u8)
-    dm = _mask_bytes(d_mask, tuple(D.shape[:-1]), u8)
-    lib = library(Q.dtype)
-    Q, D = Q.contiguous(), D.contiguous()
-    f32 = torch.empty(1, dtype=torch.float32, device=device)
-    i32 = torch.empty(1, dtype=torch.int32, device=device)
-    q_inv = _inverse_norms(lib, Q) if normalize else f32
-    d_inv = _inverse_norms(lib, D) if normalize else f32
-    threads, group = query_grid(nq, lq, nj, cross)
-    lib.maxsim_forward(
-        Q, D, qm, dm, q_inv, d_inv, scores, argmax if save_argmax else i32, f32,
-        [nq, lq, nj, ld, dim, queries_per_group(lq, cross)],
-        [int(cross), int(q_mask is not None), int(d_mask is not None), int(normalize), int(zero_mode),
-         int(save_argmax), MODE_MAX],
-        1.0,
-        threads=threads, group_size=group,
-    )
-    return scores, (argmax.to(argmax_dtype(ld)) if argmax is not None else None)
+    if nq and nj and lq and ld:   # else nothing to win
+        u8 = torch.empty(1, dtype=torch.uint8, device=device)
+        qm = _mask_bytes(q_mask, (nq, lq), u8)
+        dm = _mask_bytes(d_mask, tuple(D.shape[:-1]), u8)
+        lib = library(Q.dtype)
+        Q, D = Q.contiguous(), D.contiguous()
+        f32 = torch.empty(1, dtype=torch.float32, device=device)
+        i32 = torch.empty(1, dtype=torch.int32, device=device)
+        q_inv = _inverse_norms(lib, Q) if normalize else f32
+        d_inv = _inverse_norms(lib, D) if normalize else f32
+        threads, group = query_grid(nq, lq, nj, cross)
+        lib.maxsim_forward(
+            Q, D, qm, dm, q_inv, d_inv, scores, argmax if save_argmax else i32, f32,
+            [nq, lq, nj, ld, dim, queries_per_group(lq, cross)],
+            [int(cross), int(q_mask is not None), int(d_mask is not None), int(normalize), int(zero_mode),
+             int(save_argmax), MODE_MAX],
+            1.0,
+            threads=threads, group_size=group,
+        )
+    return scores, (None if argmax is None else argmax.to(argmax_dtype(ld)))
 
 
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="lowmem", q_masked=True):
@@ -353,9 +338,7 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="
             lib.maxsim_grad_d(Q, q_inv, argmax, grad, gd32, shape, flags, threads=threads, group_size=group)
             if normalize:
                 _project(lib, gd32.view(-1, dim), D, _inverse_norms(lib, D))
-    grad_q = gq32.view(Q.shape).to(Q.dtype) if need_q else None
-    grad_d = gd32.to(D.dtype) if need_d else None
-    return grad_q, grad_d
+    return (gq32.view(Q.shape).to(Q.dtype) if need_q else None), (gd32.to(D.dtype) if need_d else None)
 
 
 # --------------------------------------------------------------------------- smooth max
