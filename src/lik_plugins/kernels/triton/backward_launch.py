@@ -55,6 +55,16 @@ def _finish(g32, X, inv_norm, out, normalize):
         out.copy_(g32)
 
 
+def finish_rows(g32, X, inv_norm, normalize):
+    """``X``'s gradient from an fp32 buffer of its rows, as :func:`_finish` but in a new
+    tensor: cast without normalisation (the buffer itself for fp32)."""
+    if normalize:
+        out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
+        project_into(g32, X, inv_norm, out)
+        return out
+    return g32 if X.dtype == torch.float32 else g32.to(X.dtype)
+
+
 def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
     """One launch of the gather kernel: grad_Q (if ``grad_q``) and/or the atomic scatter
     into the fp32 ``gd32`` (if given) over the documents of ``D`` (a view: ``grad``,
@@ -118,14 +128,14 @@ class _LowmemPlan(NamedTuple):
     meta: dict
     gather: str | None     # grad_Q: "ride" (in the grad_D launch), "alone" (a pass of its own) or None
     rows: tuple | None     # shape of the compact walk's int16 row lists, or None
-    zero_grad_d: bool      # the winners kernel writes winning rows only: the rest must be 0
-    with_rows_arg: bool    # the document kernels take the row-list pointer, the winners kernel not
+    # the winners kernel: writes winning rows only (the rest of grad_D must be 0), and takes
+    # no row-list pointer (the document kernels do)
+    winners: bool
 
 
-# lowmem backward plans by the call's geometry, as the forward's: a repeated training step
-# skips the route choice, the blocking, the tuner lookup and the argument list, and its
-# grad_D launch replays with a static key (no per-argument featurising).  These are the
-# launch-bound steps (pairs, KD, ColPali 64, the small shapes), where host time is the step.
+# lowmem backward plans by the call's geometry, as the forward's (launch._FORWARD_PLANS): a
+# repeated training step also skips the route choice, and its grad_D launch replays with a
+# static key (no per-argument featurising).
 _LOWMEM_PLANS: dict = {}
 
 
@@ -179,8 +189,7 @@ def _plan_lowmem(grad, Q, D, argmax, rd, *, cross, normalize, need_q, q_masked):
     if kind == "winners":
         meta.update(BLOCK_SW=max(16, next_pow2(lq)),
                     **({} if interpreting() else {"num_warps": 4 if d_pad <= 128 else 8, "num_stages": 1}))
-        return _LowmemPlan(maxsim_bwd_winners_kernel, (n_gather + nq * nj,), ints, meta, gather, None, True,
-                           False), None
+        return _LowmemPlan(maxsim_bwd_winners_kernel, (n_gather + nq * nj,), ints, meta, gather, None, True), None
     compact = kind == "compact"
     n_docs = nj if cross else nq * nj
     # a listed row always has a winner: nothing to guard
@@ -197,7 +206,7 @@ def _plan_lowmem(grad, Q, D, argmax, rd, *, cross, normalize, need_q, q_masked):
         return (n_gather + n_docs * cdiv(ld, m["BLOCK_T"]),)
 
     return _LowmemPlan(kernel, grid if after_launch is not None else grid(meta), ints, meta, gather,
-                       (nj, nq * lq) if compact else None, False, True), after_launch
+                       (nj, nq * lq) if compact else None, False), after_launch
 
 
 def _lowmem_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, q_masked):
@@ -213,9 +222,9 @@ def _lowmem_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, q_
     # of its own starts after they are freed.
     grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if plan.gather == "ride" else None
     rows = torch.empty(plan.rows, dtype=torch.int16, device=device) if plan.rows is not None else None
-    grad_d = (torch.zeros if plan.zero_grad_d else torch.empty)(D.shape, dtype=D.dtype, device=device)
+    grad_d = (torch.zeros if plan.winners else torch.empty)(D.shape, dtype=D.dtype, device=device)
     args = (grad, Q, D, rq, rd, argmax, grad_d, stand_in if grad_q is None else grad_q, *plan.ints)
-    if plan.with_rows_arg:
+    if not plan.winners:
         args += (stand_in if rows is None else rows,)
     # the caller's: grad (autograd's, any view), Q, D, the argmax (a view for pairs); the rest is ours
     launch(plan.kernel, plan.grid, args, plan.meta, static_key=key if after_launch is None else None,
@@ -232,9 +241,8 @@ def _lowmem_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, q_
 def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, need_d):
     """grad_Q gathered from the saved winners and, if ``need_d``, grad_D scattered into
     fp32 with atomics in the same pass (one pass over the argmax)."""
-    nq, lq, dim = Q.shape
-    nj = D.shape[0] if cross else D.shape[1]
-    ld = D.shape[-2]
+    dim = Q.shape[-1]
+    nj, ld, _ = doc_view(D, cross)
     device = Q.device
     grad_q = torch.empty_like(Q, memory_format=torch.contiguous_format) if need_q else None
     # fp32 inputs without normalisation scatter straight into grad_D; otherwise an fp32
@@ -248,7 +256,7 @@ def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, n
     # Allocations are counted: on a slow host each torch call is tens of microseconds.  The
     # one-pass grad_D is the fp32 buffer cast once (no separate empty + copy).
     grad_d = None
-    if need_d and (straight or normalize or not one_pass):
+    if need_d and (straight or not one_pass):
         grad_d = torch.zeros(D.shape, dtype=D.dtype, device=device) if straight else \
             torch.empty(D.shape, dtype=D.dtype, device=device)
     gd32 = None
@@ -257,10 +265,7 @@ def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, n
     if need_q or one_pass:
         _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, cross=cross, normalize=normalize)
     if one_pass and not straight:
-        if normalize:
-            project_into(gd32, D, rd, grad_d)
-        else:
-            grad_d = gd32.to(D.dtype)
+        grad_d = finish_rows(gd32, D, rd, normalize)
     if need_d and not one_pass:
         buffer = torch.empty((slab, ld, dim), dtype=torch.float32, device=device)
         for j0 in range(0, nj, slab):

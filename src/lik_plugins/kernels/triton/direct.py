@@ -35,6 +35,7 @@ instrumentation knobs) are not part of a plan: call :func:`clear` after flipping
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 
 import torch
 import triton
@@ -57,10 +58,7 @@ _VARIANTS: set = set()
 def variants() -> dict[str, int]:
     """Distinct specialisations launched so far, per kernel name (an autotuned launch counts
     once per autotuner key: its sweep compiles more, once)."""
-    counts: dict[str, int] = {}
-    for name, _, _ in _VARIANTS:
-        counts[name] = counts.get(name, 0) + 1
-    return counts
+    return dict(Counter(name for name, _, _ in _VARIANTS))
 
 
 def reset_variants() -> None:

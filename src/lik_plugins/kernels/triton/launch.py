@@ -61,11 +61,10 @@ def clear_plans() -> None:
     direct.clear()
 
 
-def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm, fmt=None,
-                  lengths=False):
+def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, s_qm, s_dm, fmt=None, lengths=False):
     """(plan, after_launch): ``after_launch`` is not None while the autotuner still has to
-    run, and then the plan is for this call only.  ``lengths``: ``s_dm`` are the strides of
-    per-document lengths (``DM_LENGTHS``), not of a mask."""
+    run, and then the plan is for this call only.  ``s_qm``, ``s_dm``: the masks' strides (None
+    without); ``lengths``: ``s_dm`` are the strides of per-document lengths (``DM_LENGTHS``)."""
     nq, lq, dim = Q.shape
     nj, ld, (s_di, s_dj, s_dt, s_dh) = doc_view(D, cross)
     kind = DENSE if fmt is None else fmt.kind
@@ -85,12 +84,10 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
     arg_dtype = argmax_dtype(ld) if save_argmax else None
     if nq * nj == 0 or lq == 0:
         return _ForwardPlan(None, (0,), (), {}, out_shape, n_chunks, arg_dtype, True), None
-    if lengths:
-        s_dmi, s_dmj, s_dmt = ((0, *s_dm) if cross else s_dm) + (0,)
-    else:
-        s_dmi, s_dmj, s_dmt = (0, 0, 0) if not has_dm else ((0, *s_dm) if cross else s_dm)
+    # (query, document, token) strides; lengths have no token stride
+    s_dmi, s_dmj, s_dmt = (0, 0, 0) if s_dm is None else ((0, *s_dm) if cross else s_dm) + ((0,) if lengths else ())
     s_rdi, s_rdj = norm_strides(rd, cross, scaled)
-    s_qmi, s_qms = s_qm if has_qm else (0, 0)
+    s_qmi, s_qms = (0, 0) if s_qm is None else s_qm
     # 8-bit inference keeps an elementwise running max, reduced once at the end: its MMA is
     # fast enough that the per-tile reduction bounds it (16-bit: the registers cost more)
     running_max = not save_argmax and elem == 1
@@ -112,7 +109,7 @@ def _plan_forward(Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_d
         n_qblocks, n_chunks, size_class(n_programs),
     )
     meta = dict(
-        HAS_QM=has_qm, HAS_DM=has_dm, ZERO_MODE=bool(zero_mode), DM_LENGTHS=lengths,
+        HAS_QM=s_qm is not None, HAS_DM=s_dm is not None and not lengths, ZERO_MODE=bool(zero_mode), DM_LENGTHS=lengths,
         NORMALIZE=scaled, SAVE_ARG=bool(save_argmax),
         ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad,
         UPCAST=interpreting() and Q.dtype == torch.bfloat16, PRECISION=precision(Q.dtype if built else D.dtype),
@@ -155,16 +152,15 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
         rq = inverse_norms(Q) if normalize and not documents_only(doc_format) else stand_in
         rd = inverse_norms(D) if normalize and not built else stand_in
     scaled = bool(normalize) or scales is not None
-    has_qm, has_dm = q_mask is not None, d_mask is not None
-    s_qm = qm.stride() if has_qm else None
-    s_dm = dm.stride() if has_dm or d_lengths is not None else None
+    s_qm = qm.stride() if q_mask is not None else None
+    s_dm = dm.stride() if d_mask is not None or d_lengths is not None else None
     aux = (stand_in,) * 3 if doc_format is None else doc_format.tensors(stand_in)
     # the kernel reads RQ as [Nq, Lq] contiguous and RD through its strides
     key = (Q.shape, Q.stride(), D.shape, D.stride(), Q.dtype, D.dtype, device, cross, scaled, bool(zero_mode),
            bool(save_argmax), s_qm, s_dm, rd.stride() if scaled else None,
            None if doc_format is None else doc_format.key(), d_lengths is not None)
     plan, after_launch = cached_plan(_FORWARD_PLANS, key, lambda: _plan_forward(
-        Q, D, rd, cross, scaled, zero_mode, save_argmax, has_qm, has_dm, s_qm, s_dm, doc_format, d_lengths is not None))
+        Q, D, rd, cross, scaled, zero_mode, save_argmax, s_qm, s_dm, doc_format, d_lengths is not None))
     argmax = None
     if save_argmax:
         argmax = torch.empty((Q.shape[0], plan.out_shape[-1], Q.shape[1]), dtype=plan.arg_dtype, device=device)

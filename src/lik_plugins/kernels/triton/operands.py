@@ -129,17 +129,13 @@ def stream_order_weights(bucket_weights: torch.Tensor, nbits: int) -> torch.Tens
     return bucket_weights[perm].contiguous()
 
 
-def _hidden_block(dtype: torch.dtype) -> int:
-    # slices of the hidden state per projection step: [d, BLOCK_H] of W and [BLOCK_H, BLOCK_N] of H
-    return 32 if dtype == torch.float32 else 64
-
-
 def format_meta(fmt: DocFormat, dtype: torch.dtype, dim: int, d_pad: int) -> dict:
     """The forward kernel's compile-time arguments for a document format (the projection
     head's sizes among them: forward.maxsim_fwd_kernel says why)."""
-    hidden = fmt.kind == HIDDEN
-    return dict(DOC_FORMAT=fmt.kind, NBITS=fmt.nbits, HAS_BIAS=fmt.has_bias, BLOCK_H=_hidden_block(dtype),
-                N_HIDDEN=fmt.aux_n if hidden else 0, EVEN_DIM=fmt.kind in (HIDDEN, RESIDUAL) and dim == d_pad)
+    # BLOCK_H: the hidden state's slice per projection step ([d, BLOCK_H] of W, [BLOCK_H, BLOCK_N] of H)
+    return dict(DOC_FORMAT=fmt.kind, NBITS=fmt.nbits, HAS_BIAS=fmt.has_bias,
+                BLOCK_H=32 if dtype == torch.float32 else 64, N_HIDDEN=fmt.aux_n if fmt.kind == HIDDEN else 0,
+                EVEN_DIM=fmt.kind in (HIDDEN, RESIDUAL) and dim == d_pad)
 
 
 def built_key(Q: torch.Tensor, D: torch.Tensor, fmt: DocFormat, packed: bool = False) -> tuple:

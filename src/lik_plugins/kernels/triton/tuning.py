@@ -1,24 +1,20 @@
-"""Forward autotuning: which configs exist, when to tune, what the cache is keyed on.
+"""Kernel configs (forward and lowmem grad_D): which exist, when to sweep, what a choice is keyed on.
 
-The host picks the row blocking (``ROWS_PER_Q``, ``QPB``) from the shape; the autotuner
-only chooses the document tile and the pipeline (``BLOCK_N``, ``BLOCK_K``, warps,
-stages).  The key is ``(ROWS_PER_Q, QPB, D_PAD, SAVE_ARG, RUNNING_MAX, DOCS_PER_PROGRAM)``, the
+The host picks the row blocking (``ROWS_PER_Q``, ``QPB``) from the shape; a config only
+chooses the document tile and the pipeline (``BLOCK_N``, ``BLOCK_K``, warps, stages).  The
+forward's key is ``(ROWS_PER_Q, QPB, D_PAD, SAVE_ARG, RUNNING_MAX, DOCS_PER_PROGRAM)``, the
 launch's size class (:func:`size_class`) and the tensor dtypes, so batch size, document
 length, mask presence and query length *within a power-of-two bucket* and a size class
-never trigger a new sweep.  (Mask presence does compile a second variant of the
-kernel once, since it is a constexpr; it reuses the tuned config.)
+never ask for another config.  (Mask presence, a constexpr, compiles a second variant of
+the kernel once, with the same config.)
 
-No sweep happens for small launches (few programs: launch-bound, and the unit-test / REPL
-regime) nor under ``TRITON_INTERPRET=1``: those use one fixed config.
-
-Cold start: a sweep compiles every candidate config (about 12 per key, a second or more
-each), which made a fresh process's first training steps take tens of seconds.  So configs
-come first from a per-architecture table committed as data (``configs/sm90.json``, written
-by ``benchmarks/tune_table.py`` from sweeps on that GPU): the exact key, else the same key
-in the nearest size class, else -- on an architecture that has a table -- one default
-config.  Only an architecture without a table is swept, once per key, and Triton persists
-the result on disk (``cache_results``), so later processes do not sweep again.
-``LIK_AUTOTUNE`` changes this (``_config.py``).
+A sweep compiles every candidate config (a second or more each), so configs come first
+from a per-architecture table committed as data (``configs/sm90.json``, written by
+``benchmarks/tune_table.py`` from sweeps on that GPU): the exact key, else the same key in
+the nearest size class, else -- on an architecture that has a table -- one default config.
+Only an architecture without a table is swept, once per key, and Triton persists the
+result on disk (``cache_results``).  Small launches (few programs: launch-bound) and
+``TRITON_INTERPRET=1`` take one fixed config.  ``LIK_AUTOTUNE`` changes this (``_config.py``).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import torch
 from ..common import argmax_dtype, inverse_norms
 from ..device import sm_count
 from .backward import maxsim_bwd_varlen_kernel
-from .backward_launch import project_into
+from .backward_launch import finish_rows
 from .blocking import TARGET_BLOCK_M, WIDE_BLOCK_M, gather_blocking, row_blocking
 from .direct import launch
 from .operands import (
@@ -34,7 +34,6 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     device = Q.device
     dim = Q.shape[-1]
     nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
-    n_pairs = pairs[0].shape[0] if pairs is not None else 0
     elem = Q.element_size()
     d_pad = max(16, next_pow2(dim))
     block_m = WIDE_BLOCK_M if elem <= 2 and d_pad <= 128 else TARGET_BLOCK_M
@@ -42,15 +41,12 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
     assert not built or doc_format.kind in (RESIDUAL, HIDDEN), "packed documents: float, residual or hidden"
     if pairs is not None:
         rows, qpb, n_chunks = row_blocking(max_q, 1, False, block_m)
-        n_rows, n_j, n_qblocks = 1, n_pairs, 1
+        n_rows, n_j, n_qblocks = 1, pairs[0].shape[0], 1
     else:
         rows, qpb, n_chunks = row_blocking(max_q, nq, True, block_m)
         n_rows, n_j, n_qblocks = nq, nd, cdiv(nq, qpb)
     arg_dtype = argmax_dtype(max_d)
-    argmax = None
-    if save_argmax:
-        argmax = torch.full((n_rows, n_j, max_q), -1, dtype=arg_dtype, device=device) if max_q * n_j * n_rows \
-            else torch.empty((n_rows, n_j, max_q), dtype=arg_dtype, device=device)
+    argmax = torch.full((n_rows, n_j, max_q), -1, dtype=arg_dtype, device=device) if save_argmax else None
     if n_rows * n_j == 0 or max_q == 0:
         scores = torch.zeros((n_rows, n_j), dtype=torch.float32, device=device)
     else:
@@ -163,17 +159,7 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
     ), meta, static_key=static_key, caller_tensors=(grad, Q, D, argmax, cu_q, cu_d, pair_q, pair_d))
     grad_q = grad_d = None
     if need_q:
-        grad_q = _finish_rows(gq, Q, rq, normalize) if atomic_q else gq
+        grad_q = finish_rows(gq, Q, rq, normalize) if atomic_q else gq
     if need_d:
-        grad_d = _finish_rows(gd32, D, rd, normalize)
+        grad_d = finish_rows(gd32, D, rd, normalize)
     return grad_q, grad_d
-
-
-def _finish_rows(g32, X, inv_norm, normalize):
-    """An fp32 gradient buffer of ``X``'s rows as ``X``'s gradient: through the
-    normalisation Jacobian, or cast (the buffer itself for fp32)."""
-    if normalize:
-        out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
-        project_into(g32, X, inv_norm, out)
-        return out
-    return g32 if X.dtype == torch.float32 else g32.to(X.dtype)
