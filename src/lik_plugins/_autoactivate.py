@@ -27,15 +27,13 @@ HOSTS: dict[str, tuple[str, str, str]] = {
     "COLPALI_SCORES_BACKEND": ("colpali_engine", "lik_plugins.colpali", "patch_colpali_engine"),
 }
 
-#: Hosts reachable only through ``LIK_PATCH`` (no backend variable of their own).
-SENTENCE_TRANSFORMERS = ("sentence_transformers", "lik_plugins.sentence_transformers", "patch_sentence_transformers")
-
-#: ``LIK_PATCH`` names -> rows.
+#: ``LIK_PATCH`` names -> rows (sentence-transformers has no backend variable: only this name reaches it).
 NAMES: dict[str, tuple[str, str, str]] = {
     "pylate": HOSTS["PYLATE_SCORES_BACKEND"],
     "colpali": HOSTS["COLPALI_SCORES_BACKEND"],
     "colpali_engine": HOSTS["COLPALI_SCORES_BACKEND"],
-    "sentence_transformers": SENTENCE_TRANSFORMERS,
+    "sentence_transformers": ("sentence_transformers", "lik_plugins.sentence_transformers",
+                              "patch_sentence_transformers"),
 }
 
 #: Values of a host's variable that turn the patch on at interpreter start.

@@ -18,7 +18,9 @@ import torch
 from .._config import triton_interpret
 from .common import inverse_norms
 from .torch_ops import projection_gradients, project_hidden, residual_backward  # noqa: F401  (same on every path)
-from .triton import approx, launch, quantize
+from .triton import launch
+from .triton.approx import plaid_approx_score  # noqa: F401  (one program per document)
+from .triton.quantize import quantize_fp8, quantize_int8  # fused kernels, unchecked
 
 # Largest re-quantisation the fused path may do: every program quantises its own query
 # rows, i.e. about (documents per query) x (query elements) in all.  Fusing saves a launch,
@@ -45,16 +47,11 @@ def fuse_query_quantisation(Q, d_values: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- fp8 / int8
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, scales)``: e4m3 tokens of ``x`` in one fused kernel, unchecked."""
-    return quantize.quantize_fp8(x)
-
-
 def maxsim_fp8(Q, q_scales, d_values, d_scales, q_mask, d_mask, *, zero_mode: bool) -> torch.Tensor:
     """fp8 tensor-core scores; a float ``Q`` (``q_scales`` None) is quantised inside the
     scoring kernel where that is cheaper (:func:`fuse_query_quantisation`), else first."""
     if q_scales is None and not fuse_query_quantisation(Q, d_values):
-        Q, q_scales = quantize.quantize_fp8(Q)
+        Q, q_scales = quantize_fp8(Q)
     return launch.forward(Q, d_values, q_mask, d_mask, cross=d_values.dim() == 3, normalize=False,
                           zero_mode=zero_mode, save_argmax=False, scales=(q_scales, d_scales))[0]
 
@@ -65,7 +62,7 @@ def maxsim_int8(Q, q_scales, d_values, d_scales, q_mask, d_mask, *, zero_mode: b
     (unlike fp8 also under the interpreter, whose int8 casts are exact), else by one
     quantisation launch -- never torch's several ops per call."""
     if q_scales is None and not fused_quantisation_fits(Q, d_values):
-        Q, q_scales = quantize.quantize_int8(Q)
+        Q, q_scales = quantize_int8(Q)
     return launch.forward(Q, d_values, q_mask, d_mask, cross=d_values.dim() == 3, normalize=False,
                           zero_mode=zero_mode, save_argmax=False,
                           scales=(None if q_scales is None else q_scales.contiguous(), d_scales),
@@ -96,11 +93,6 @@ def residual_varlen(Q, codes_flat, residuals_flat, cu_d, centroids, bucket_weigh
                            centroids.shape[0], nbits)
     return launch.varlen_forward(Qp, residuals_flat, cu_q, cu_d, None, None, None, max_q=lq, max_d=max_d,
                                  normalize=normalize, zero_mode=False, save_argmax=False, doc_format=fmt)[0]
-
-
-def plaid_approx_score(scores: torch.Tensor, codes: torch.Tensor, doc_lengths: torch.Tensor) -> torch.Tensor:
-    """``[B]`` fp32 from fp32 ``S [C, Lq]``: one program per document (``triton/approx.py``)."""
-    return approx.plaid_approx_score(scores, codes, doc_lengths)
 
 
 # ----------------------------------------------------------------------------- hidden states
