@@ -72,7 +72,6 @@ class _Change:
 class PatchLedger:
     """Records every change made for one host, in order, so it can be undone in reverse."""
 
-    host: str
     changes: list[_Change] = field(default_factory=list)
 
     @property

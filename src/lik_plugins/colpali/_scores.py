@@ -6,6 +6,7 @@ so every adapter casts back to it.
 """
 from __future__ import annotations
 
+import functools
 from operator import attrgetter, itemgetter
 
 import torch
@@ -58,7 +59,7 @@ _DTYPE, _DEVICE, _SHAPE, _LAST = attrgetter("dtype"), attrgetter("device"), attr
 _OP_FOR_LAYOUT = {"cross": "maxsim", "pairs": "maxsim_pairs", "candidates": "maxsim"}
 
 
-def _scored(Q: torch.Tensor, D: torch.Tensor, layout: str, smooth: bool, tau: float):
+def _scored(layout: str, Q: torch.Tensor, D: torch.Tensor, smooth: bool = False, tau: float = 0.1):
     from .. import ops
 
     if smooth:
@@ -66,19 +67,11 @@ def _scored(Q: torch.Tensor, D: torch.Tensor, layout: str, smooth: bool, tau: fl
     return getattr(ops, _OP_FOR_LAYOUT[layout])(Q, D).to(Q.dtype), ops.served_by(Q)
 
 
-def inbatch(Q: torch.Tensor, D: torch.Tensor, smooth: bool = False, tau: float = 0.1):
-    """``[B, Lq, d] x [C, Ld, d] -> [B, C]`` in ``Q.dtype``; returns ``(scores, path)``."""
-    return _scored(Q, D, "cross", smooth, tau)
-
-
-def pairs(Q: torch.Tensor, D: torch.Tensor, smooth: bool = False, tau: float = 0.1):
-    """``[B, Lq, d] x [B, Ld, d] -> [B]`` in ``Q.dtype``; returns ``(scores, path)``."""
-    return _scored(Q, D, "pairs", smooth, tau)
-
-
-def candidates(Q: torch.Tensor, N: torch.Tensor, smooth: bool = False, tau: float = 0.1):
-    """``[B, Lq, d] x [B, K, Ld, d] -> [B, K]`` in ``Q.dtype`` (one launch); returns ``(scores, path)``."""
-    return _scored(Q, N, "candidates", smooth, tau)
+# ``(scores in Q.dtype, path)`` of [B, Lq, d] x [C, Ld, d] -> [B, C] (inbatch), [B, Lq, d] x
+# [B, Ld, d] -> [B] (pairs), [B, Lq, d] x [B, K, Ld, d] -> [B, K] in one launch (candidates)
+inbatch = functools.partial(_scored, "cross")
+pairs = functools.partial(_scored, "pairs")
+candidates = functools.partial(_scored, "candidates")
 
 
 def query_lengths(Q: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ LOSSES = "colpali_engine.loss.late_interaction_losses"
 PROCESSING = "colpali_engine.utils.processing_utils"
 LIK_BACKEND = "colpali_engine.utils._lik_backend"
 
-_ledger = PatchLedger("colpali_engine")
+_ledger = PatchLedger()
 _lock = PatchLock()
 _generation: Generation | None = None
 

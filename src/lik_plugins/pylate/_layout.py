@@ -119,12 +119,7 @@ def detect() -> PyLateLayout:
     colbert_scores_class = getattr(scores_module, "ColBERTScores", None)
     if colbert_scores_class is not None:   # replaced by one fused call (1.5.0 and newer)
         originals["ColBERTScores.__call__"] = vars(colbert_scores_class)["__call__"]
-    if has_backend:
-        group = "1.5.1"
-    elif colbert_scores_class is not None:
-        group = "1.5.0"
-    else:
-        group = "1.3"
+    group = "1.5.1" if has_backend else "1.5.0" if colbert_scores_class is not None else "1.3"
     from pylate.utils.tensor import convert_to_tensor
 
     return PyLateLayout(

@@ -10,10 +10,8 @@ Three kinds of capture points (``notes/pylate.md`` section 4):
   defined in PyLate that hold an original (``Distillation`` in every release,
   ``Contrastive`` / ``CachedContrastive`` up to 1.4.x);
 * **instances** -- ``loss.score_metric``, ``model._similarity(_pairwise)`` and an
-  evaluator's ``score_functions`` of objects built *before* the patch: a class-level
-  property maps an original scorer to its adapter on read and stores the original on
-  write, so objects built before, during or after the patch behave alike and
-  ``unpatch_pylate()`` leaves them exactly as PyLate made them.
+  evaluator's ``score_functions`` of objects built *before* the patch
+  (:func:`lik_plugins._patching.instance_slot_property`).
 
 Plus ``ColBERTScores.__call__`` (1.5.0 and newer): one fused call over all document
 groups instead of PyLate's loop; and ``rank.rerank`` (every release, wherever it was
@@ -30,7 +28,7 @@ from . import _layout as layout_mod
 from . import _plaid_search, _rerank, _scores
 
 _lock = PatchLock()
-_ledger = PatchLedger("pylate")
+_ledger = PatchLedger()
 _current: layout_mod.PyLateLayout | None = None
 #: One lookalike per original for the life of a patch (identity matters: the instance slots
 #: map adapters back to originals, and re-applying must find the same objects).

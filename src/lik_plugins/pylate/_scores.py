@@ -11,13 +11,9 @@ Each adapter keeps the host's contract and nothing else:
 * anything the op cannot serve goes to PyLate's original function, silently under
   ``auto`` and with an error under an explicit ``backend="lik"``.
 
-Backend values (argument first, else ``PYLATE_SCORES_BACKEND``, read on every call):
-``lik`` -> ``lik_plugins`` on every device it serves (CPU included); ``torch`` and
-``flash`` -> PyLate's own code; ``auto`` -> ``lik_plugins`` wherever it applies, else
-PyLate's own code.  Other values raise PyLate's ``ValueError``.  ``LIK_DISABLE=1`` sends
-every call to PyLate's original code with the caller's arguments untouched, as if the
-plugin were not installed: a ``backend="lik"`` request then reaches PyLate's own LIK
-backend (late-interaction-kernels) or PyLate's own error.
+Backend values (read on every call) as :func:`lik_plugins.pylate.patch_pylate` lists them;
+other values raise PyLate's ``ValueError``.  ``LIK_DISABLE=1`` runs PyLate's code as if the
+plugin were not installed (:func:`_call_unpatched`).
 """
 from __future__ import annotations
 
@@ -256,26 +252,16 @@ def _prepare_pairwise(Q, D):
 # --------------------------------------------------------------------------- adapters
 
 
-def colbert_scores(
-    queries_embeddings,
-    documents_embeddings,
-    queries_mask=None,
-    documents_mask=None,
-    backend: str | None = None,
-):
+def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
+                   backend: str | None = None):
     """``pylate.scores.colbert_scores`` served by ``lik_plugins``: ``[Nq, Lq, H]`` x
     ``[Nd, Ld, H]`` -> ``[Nq, Nd]`` with PyLate's multiplicative masks."""
     args = (queries_embeddings, documents_embeddings, queries_mask, documents_mask)
     return _dispatch("colbert_scores", args, backend, _prepare_cross)
 
 
-def colbert_kd_scores(
-    queries_embeddings,
-    documents_embeddings,
-    queries_mask=None,
-    documents_mask=None,
-    backend: str | None = None,
-):
+def colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
+                      backend: str | None = None):
     """``pylate.scores.colbert_kd_scores`` served by ``lik_plugins``: ``[B, Lq, H]`` x
     ``[B, N, Ld, H]`` (each query's own candidates) -> ``[B, N]``."""
     args = (queries_embeddings, documents_embeddings, queries_mask, documents_mask)
@@ -289,14 +275,8 @@ def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend: s
     return _dispatch("colbert_scores_pairwise", args, backend, _prepare_pairwise)
 
 
-def colbert_scores_call(
-    self,
-    queries_embeddings,
-    documents_embeddings,
-    queries_mask=None,
-    documents_mask=None,
-    backend: str | None = None,
-):
+def colbert_scores_call(self, queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
+                        backend: str | None = None):
     """``ColBERTScores.__call__`` as one fused call: ``[Qq, Lq, H]`` x ``[Qd, N, Ld, H]``
     -> ``[Qq, Qd*N]``, query-major (column ``d*N + k`` is document ``d``, slot ``k``)."""
     args = (self, queries_embeddings, documents_embeddings, queries_mask, documents_mask)

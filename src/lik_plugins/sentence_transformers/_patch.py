@@ -48,7 +48,7 @@ MODULES = (
 )
 
 _lock = PatchLock()
-_ledger = PatchLedger("sentence_transformers")
+_ledger = PatchLedger()
 _current: "STLayout | None" = None
 
 
