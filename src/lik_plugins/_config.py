@@ -16,7 +16,7 @@ between two calls in the same process.
                             checks them on a Mac.
 ``LIK_CHUNK_ELEMENTS``      element budget of one similarity chunk on the chunked path
                             (default 2**24, i.e. 64 MB of fp32 scratch).
-``LIK_DIRECT_LAUNCH=0``      launch every Triton kernel through the JIT instead of through the
+``LIK_DIRECT_LAUNCH=0``     launch every Triton kernel through the JIT instead of through the
                             CUDA driver with a cached plan (see ``kernels/triton/direct.py``).
 ``LIK_SHIPPED_BINARIES``    ``1`` (default): launch the kernel binaries shipped with the package
                             (``kernels/triton/binaries/<arch>.zip``) through the CUDA driver,
@@ -45,6 +45,7 @@ import os
 import sys
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 BACKENDS = ("auto", "triton", "torch-chunked", "reference")
 
 
@@ -114,7 +115,7 @@ def metal_enabled() -> bool:
 
 
 def _is_not_false(value: str) -> bool:
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    return value.strip().lower() not in _FALSE
 
 
 def direct_launch_enabled() -> bool:
@@ -142,7 +143,7 @@ def _autotune(raw: str) -> str:
     value = raw.strip().lower() or "auto"
     if value in _TRUE:
         return "always"
-    if value in ("0", "false", "no", "off"):
+    if value in _FALSE:
         return "never"
     if value != "auto":
         raise ValueError(f"LIK_AUTOTUNE={value!r} is not one of auto, 1, 0")

@@ -79,9 +79,7 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
     scatter = gd32 is not None
     block_s, block_j, base_programs, n_split, j_per_split = gather_blocking(nq, nj, lq, d_pad, sm_count(device))
     partial = need_q and n_split > 1
-    gq_out = grad_q
-    if partial:
-        gq_out = torch.empty((n_split, nq, lq, dim), dtype=torch.float32, device=device)
+    gq_out = torch.empty((n_split, nq, lq, dim), dtype=torch.float32, device=device) if partial else grad_q
     launch(maxsim_bwd_gather_kernel, (base_programs * n_split,), (
         grad, Q, D, rq, rd, argmax, gq_out if gq_out is not None else stand_in,
         gd32 if gd32 is not None else stand_in,

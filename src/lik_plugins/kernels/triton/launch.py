@@ -23,7 +23,7 @@ from .blocking import forward_blocking, tail_tile
 from .direct import launch
 from .operands import (
     DENSE, HIDDEN, INT8, RESIDUAL, DocFormat, built_key, cached_plan, doc_view, documents_only, format_meta,
-    mask_bytes, no_offsets, norm_strides, placeholder, precision, stream_order_weights,
+    mask_bytes, norm_strides, placeholder, precision, stream_order_weights,
 )
 from .tuning import cdiv, forward_kernel_and_meta, interpreting, k_tile, next_pow2, size_class
 from .varlen_launch import varlen_backward, varlen_forward
@@ -168,9 +168,10 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
         return torch.zeros(plan.out_shape[-2:], dtype=torch.float32, device=device), \
             (argmax.fill_(-1) if argmax is not None else None)
     scores = torch.empty(plan.out_shape, dtype=torch.float32, device=device)
+    index = placeholder(device, torch.int32)   # the packed layouts' offsets and pair lists (never read)
     # Q, D and the masks are the caller's (views at any offset); the rest is ours
     launch(plan.kernel, plan.grid,
-           (Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else stand_in, *no_offsets(device),
+           (Q, D, qm, dm, rq, rd, scores, argmax if argmax is not None else stand_in, index, index, index, index,
             *plan.ints, *aux, *plan.aux_ints),
            plan.meta, static_key=key if after_launch is None else None, caller_tensors=(Q, D, qm, dm, rq, rd, *aux))
     if after_launch is not None:

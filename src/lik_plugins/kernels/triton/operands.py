@@ -51,12 +51,6 @@ def cached_plan(plans: dict, key, make) -> tuple:
     return plan, after_launch
 
 
-def no_offsets(device) -> tuple:
-    """The packed layouts' offset and pair-list pointers, for a dense launch (never read)."""
-    index = placeholder(device, torch.int32)
-    return index, index, index, index
-
-
 def mask_bytes(mask: torch.Tensor | None, device) -> torch.Tensor:
     if mask is None:
         return placeholder(device, torch.uint8)
