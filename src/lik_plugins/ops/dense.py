@@ -8,9 +8,6 @@ for the device path at run time.  ``LIK_DISABLE=1`` / ``LIK_BACKEND=reference`` 
 exception, also answered by the chooser: the op runs the plain formulation
 (:mod:`lik_plugins.kernels.reference`) by torch's own autograd.  Host adapters call these
 functions, never the kernels.
-
-``maxsim_from_hidden`` stays beside ``maxsim``: it is the same contract with the documents
-given as hidden states, and its checks are a few lines.
 """
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ from ..kernels import reference
 from ..kernels.common import accumulation_dtype
 from ..kernels.dispatch import reference_requested, served_by
 from . import quantized
-from .validate import check_mask, check_options, check_tensor, prepare, score_tensor
+from .validate import check_mask, check_tensor, prepare, score_tensor
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_from_hidden", "smooth_maxsim", "retrieve"]
 
@@ -79,8 +76,7 @@ def maxsim(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
         >>> maxsim(Q, D).shape
         torch.Size([4, 8])
     """
-    check_options(backward, mask_mode)
-    Q, D, q_mask, d_mask, cross = prepare(Q, D, q_mask, d_mask, pairs=False)
+    q_mask, d_mask, cross = prepare(Q, D, q_mask, d_mask, pairs=False, backward=backward, mask_mode=mask_mode)
     return score("maxsim", Q, D, q_mask, d_mask, CROSS if cross else CANDIDATES,
                   normalize=normalize, backward=backward, mask_mode=mask_mode)
 
@@ -92,8 +88,7 @@ def maxsim_pairs(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None =
 
     Masks ``[B, Lq]`` / ``[B, Ld]``; every other argument as in :func:`maxsim`.
     """
-    check_options(backward, mask_mode)
-    Q, D, q_mask, d_mask, _ = prepare(Q, D, q_mask, d_mask, pairs=True)
+    q_mask, d_mask, _ = prepare(Q, D, q_mask, d_mask, pairs=True, backward=backward, mask_mode=mask_mode)
     return score("maxsim_pairs", Q, D, q_mask, d_mask, PAIRS, normalize=normalize, backward=backward,
                   mask_mode=mask_mode)
 
@@ -173,8 +168,7 @@ def retrieve(Q: torch.Tensor, D: torch.Tensor, top_k: int, q_mask: torch.Tensor 
                                    chunk=chunk, largest=largest)
     check_tensor("D", D, 3)
     _check_retrieve_args(top_k, chunk)
-    check_options("auto", mask_mode)
-    Q, D, q_mask, d_mask, _ = prepare(Q, D, q_mask, d_mask, pairs=False)
+    q_mask, d_mask, _ = prepare(Q, D, q_mask, d_mask, pairs=False, backward="auto", mask_mode=mask_mode)
     _routing.record("retrieve", served_by(Q))
 
     def score_chunk(start, stop, dm):
@@ -213,8 +207,7 @@ def _running_top_k(score, nq, nd, d_mask, top_k, chunk, largest, score_dtype, de
 
 
 def _retrieve_quantised(Q, D, top_k, q_mask, d_mask, *, normalize, mask_mode, chunk, largest):
-    """retrieve over an fp8 or int8 index: the query quantised once, every chunk scored by
-    :func:`lik_plugins.maxsim_fp8` / :func:`lik_plugins.maxsim_int8`."""
+    """:func:`retrieve` over an fp8 or int8 index."""
     fmt = quantized.format_of(D)
     kind = fmt.kind
     _check_retrieve_args(top_k, chunk)

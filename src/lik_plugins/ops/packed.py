@@ -41,7 +41,7 @@ from ..kernels.dispatch import packed_checks_kernel, reference_requested
 from .dense import score
 from .validate import (
     check_index_tensor, check_mask, check_max_seqlen, check_offsets, check_offsets_shape, check_options, check_tensor,
-    index_problems, lengths_problems, offsets_problems, offsets_rule, score_tensor, settle_checks,
+    index_problems, lengths_problems, offsets_problems, score_tensor, settle_checks,
 )
 
 __all__ = ["maxsim_varlen", "score_pairs_packed", "maxsim_padded", "pack", "unpack"]
@@ -159,20 +159,13 @@ def _packed(entry, Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, q_mask, d_mas
 
 def _check_on_device(cu_q, cu_d, pair_q, pair_d, rows_q, rows_d, max_q, max_d):
     """The offsets rule (module docstring) and the pair indices' range, as torch ops on the
-    offsets' device; returns the bounds.  ``_validate.settle_checks`` settles them: on the
-    host (a missing bound, or CPU tensors) with a ``ValueError`` naming the broken rule and
-    its index, else asserted on the device (no sync)."""
-    checks = [  # (ok, longest, the broken rules with their indices, the rule), ok and longest on the device
-        (*check_offsets("cu_seqlens_q", cu_q, rows_q, max_q),
-         lambda: offsets_problems("cu_seqlens_q", cu_q, rows_q, max_q, "max_seqlen_q"),
-         offsets_rule("cu_seqlens_q", rows_q, max_q, "max_seqlen_q")),
-        (*check_offsets("cu_seqlens_d", cu_d, rows_d, max_d),
-         lambda: offsets_problems("cu_seqlens_d", cu_d, rows_d, max_d, "max_seqlen_d"),
-         offsets_rule("cu_seqlens_d", rows_d, max_d, "max_seqlen_d")),
-    ]
+    offsets' device, settled by :func:`.validate.settle_checks`; returns the bounds."""
+    checks = [check_offsets("cu_seqlens_q", cu_q, rows_q, max_q, "max_seqlen_q"),
+              check_offsets("cu_seqlens_d", cu_d, rows_d, max_d, "max_seqlen_d")]
     if pair_q is not None:
         nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
-        checks.append((_pairs_in_range(cu_q, cu_d, pair_q, pair_d), None,
+        in_range = ((pair_q >= 0) & (pair_q < nq)).all() & ((pair_d >= 0) & (pair_d < nd)).all()
+        checks.append((in_range, None,
                        lambda: index_problems("pair_q_idx", pair_q, nq, "Nq") + index_problems("pair_d_idx", pair_d,
                                                                                              nd, "Nd"),
                        f"pair indices must lie in [0, Nq={nq}) and [0, Nd={nd})"))
@@ -181,11 +174,6 @@ def _check_on_device(cu_q, cu_d, pair_q, pair_d, rows_q, rows_d, max_q, max_d):
         max_q = longest[0] if max_q is None else max_q
         max_d = longest[1] if max_d is None else max_d
     return max_q, max_d
-
-
-def _pairs_in_range(cu_q, cu_d, pair_q, pair_d):
-    nq, nd = cu_q.numel() - 1, cu_d.numel() - 1
-    return ((pair_q >= 0) & (pair_q < nq)).all() & ((pair_d >= 0) & (pair_d < nd)).all()
 
 
 def maxsim_padded(queries: torch.Tensor, documents: torch.Tensor, query_lengths: torch.Tensor,

@@ -49,21 +49,19 @@ def check_mask(name: str, mask, shape: tuple[int, ...], owner) -> torch.Tensor |
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def prepare(Q, D, q_mask, d_mask, *, pairs: bool):
-    """Validate; return (Q, D, q_mask, d_mask, cross).  Pairs keep ``D`` 3-D: the
-    one-candidate view is taken inside the registered op."""
+def prepare(Q, D, q_mask, d_mask, *, pairs: bool, backward: str, mask_mode: str):
+    """Validate a dense op's options and tensors; return ``(q_mask, d_mask, cross)``.  Pairs
+    keep ``D`` 3-D: the one-candidate view is taken inside the registered op."""
+    check_options(backward, mask_mode)
     check_tensor("Q", Q, 3)
-    if pairs:
-        check_tensor("D", D, 3)
-    else:
-        check_tensor("D", D, (3, 4))
+    check_tensor("D", D, 3 if pairs else (3, 4))
     if Q.dtype != D.dtype:
         raise TypeError(f"Q and D must have the same dtype, got {Q.dtype} and {D.dtype}")
     if pairs and D.shape[0] != Q.shape[0]:
         raise ValueError(f"maxsim_pairs needs one document per query: Q has B={Q.shape[0]}, D has B={D.shape[0]}")
     # pairs' D [B, Ld, d] and its mask [B, Ld] have the cross product's shapes
     q_mask, d_mask, cross = check_geometry(Q, D, q_mask, d_mask)
-    return Q, D, q_mask, d_mask, cross and not pairs
+    return q_mask, d_mask, cross and not pairs
 
 
 def check_geometry(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask):
@@ -77,9 +75,8 @@ def check_geometry(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask):
         raise ValueError(f"embedding dims differ: Q has d={Q.shape[-1]}, D has d={D.shape[-1]}")
     nq, lq = Q.shape[0], Q.shape[1]
     if D.dim() == 4 and D.shape[0] != nq:
-        raise ValueError(
-            f"per-query candidates D [Nq, K, Ld, d] must have Nq={nq} like Q, got D shape {tuple(D.shape)}"
-        )
+        raise ValueError(f"per-query candidates D [Nq, K, Ld, d] must have Nq={nq} like Q, "
+                         f"got D shape {tuple(D.shape)}")
     q_mask = check_mask("q_mask", q_mask, (nq, lq), Q)
     d_mask = check_mask("d_mask", d_mask, tuple(D.shape[:-1]), D)
     return q_mask, d_mask, D.dim() == 3
@@ -112,10 +109,11 @@ def check_offsets_shape(name: str, cu: torch.Tensor, packed_rows: int) -> None:
         raise ValueError(f"{name}: {packed_rows} packed tokens do not fit int32 offsets")
 
 
-def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen):
-    """Checks of ``cu_seqlens`` against its packed tensor of ``packed_rows`` tokens: starts
-    at 0, ends at ``packed_rows``, never decreases, and no sequence is longer than
-    ``max_seqlen``.  Returns ``(ok, longest)`` as 0-d device tensors (no host sync here)."""
+def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen, max_name: str) -> tuple:
+    """The offsets rule of ``cu_seqlens`` against its packed tensor of ``packed_rows`` tokens
+    (starts at 0, ends at ``packed_rows``, never decreases, no sequence longer than
+    ``max_seqlen``) as a check for :func:`settle_checks`: ``ok`` and ``longest`` 0-d device
+    tensors (no host sync here), the broken rules' messages and the whole rule."""
     check_offsets_shape(name, cu, packed_rows)
     lengths = cu[1:] - cu[:-1]
     # one [N] temporary and two reductions of it: with a second [N] one (a concatenation, a
@@ -127,7 +125,8 @@ def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen):
     ok = (cu[0] == 0) & (cu[-1] == packed_rows) & (shortest >= 0)
     if max_seqlen is not None:
         ok = ok & (longest <= max_seqlen)
-    return ok, longest
+    return (ok, longest, lambda: offsets_problems(name, cu, packed_rows, max_seqlen, max_name),
+            offsets_rule(name, packed_rows, max_seqlen, max_name))
 
 
 def _first(flags: torch.Tensor) -> int | None:
