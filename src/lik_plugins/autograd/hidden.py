@@ -61,12 +61,9 @@ class _HiddenMaxSim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         Q, H, W, b, argmax = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        need_b = b is not None and need[3]
-        gq, gh, gw, gb = maxsim_hidden_backward(grad.contiguous(), Q, H, W, b, argmax, ctx.normalize, need[0],
-                                                need[1], need[2], need_b)
-        return (gq if need[0] else None), (gh if need[1] else None), (gw if need[2] else None), \
-            (gb if need_b else None), None, None
+        need = ctx.needs_input_grad  # False for an absent b
+        grads = maxsim_hidden_backward(grad.contiguous(), Q, H, W, b, argmax, ctx.normalize, *need[:4])
+        return (*(g if n else None for g, n in zip(grads, need)), None, None)
 
 
 def maxsim_hidden(Q, H, W, b, d_mask, *, normalize: bool, entry: str) -> torch.Tensor:

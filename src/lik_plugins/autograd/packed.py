@@ -22,21 +22,13 @@ from .registry import grads_fake, no_tensor, or_empty, registered
 __all__ = ["maxsim_varlen"]
 
 
-def _pairs_of(pair_q, pair_d):
-    return None if pair_q is None else (pair_q, pair_d)
-
-
 def _forward_fake(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d, normalize, zero_mode, save_argmax,
                   entry, need_q, need_d):
-    if pair_q is not None:
-        shape, arg_shape = (pair_q.shape[0],), (pair_q.shape[0], max_q)
-    else:
-        shape = (cu_q.shape[0] - 1, cu_d.shape[0] - 1)
-        arg_shape = (*shape, max_q)
+    shape = (pair_q.shape[0],) if pair_q is not None else (cu_q.shape[0] - 1, cu_d.shape[0] - 1)
     scores = Q.new_empty(shape, dtype=accumulation_dtype(Q.dtype))
     if not save_argmax:
         return scores, no_tensor(Q, torch.int16)
-    return scores, Q.new_empty(arg_shape, dtype=argmax_dtype(max_d))
+    return scores, Q.new_empty((*shape, max_q), dtype=argmax_dtype(max_d))
 
 
 @registered("maxsim_varlen_forward", _forward_fake)
@@ -49,8 +41,9 @@ def maxsim_varlen_forward(
     """Packed scores (``[Nq, Nd]``, or ``[P]`` for a pair list) and, when ``save_argmax``,
     the winners (``[Nq, Nd, max_q]`` / ``[P, max_q]``; -1: none).  ``save_argmax``: the
     backward (``need_q``, ``need_d``) follows."""
+    pairs = None if pair_q is None else (pair_q, pair_d)
     scores, argmax = serve(Q, "varlen", entry).maxsim.varlen_forward(
-        Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), q_mask, d_mask, max_q=max_q, max_d=max_d,
+        Q, D, cu_q, cu_d, pairs, q_mask, d_mask, max_q=max_q, max_d=max_d,
         normalize=normalize, zero_mode=zero_mode, save_argmax=save_argmax)
     return scores, or_empty(argmax, Q, torch.int16)
 
@@ -67,32 +60,27 @@ def maxsim_varlen_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_Q, grad_D)`` of the packed tokens through the saved winners (empty where not
     needed); duplicate pairs accumulate."""
-    gq, gd = serve(Q, "varlen").maxsim.varlen_backward(grad, Q, D, cu_q, cu_d, _pairs_of(pair_q, pair_d), argmax,
-                                                       normalize=normalize, need_q=need_q, need_d=need_d)
+    pairs = None if pair_q is None else (pair_q, pair_d)
+    gq, gd = serve(Q, "varlen").maxsim.varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, normalize=normalize,
+                                                       need_q=need_q, need_d=need_d)
     return or_empty(gq, Q), or_empty(gd, D)
 
 
 class _MaxSimVarlen(torch.autograd.Function):
-    """``options = (max_q, max_d, normalize, zero_mode, entry)``; saves the packed tokens,
-    the offsets, the pair list and the winners."""
+    """``options = (max_q, max_d, normalize, zero_mode, entry)``."""
 
     @staticmethod
     def forward(ctx, Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, options):
         max_q, max_d, normalize, zero_mode, entry = options
         scores, argmax = maxsim_varlen_forward(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, max_q, max_d,
-                                               normalize, zero_mode, True, entry, ctx.needs_input_grad[0],
-                                               ctx.needs_input_grad[1])
-        if pair_q is None:
-            ctx.save_for_backward(Q, D, cu_q, cu_d, argmax)
-        else:
-            ctx.save_for_backward(Q, D, cu_q, cu_d, argmax, pair_q, pair_d)
+                                               normalize, zero_mode, True, entry, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(Q, D, cu_q, cu_d, argmax, pair_q, pair_d)  # the pair list: None when absent
         ctx.normalize = normalize
         return scores
 
     @staticmethod
     def backward(ctx, grad):
-        Q, D, cu_q, cu_d, argmax, *pairs = ctx.saved_tensors
-        pair_q, pair_d = pairs if pairs else (None, None)
+        Q, D, cu_q, cu_d, argmax, pair_q, pair_d = ctx.saved_tensors
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gq, gd = maxsim_varlen_backward(grad.contiguous(), Q, D, cu_q, cu_d, pair_q, pair_d, argmax, ctx.normalize,
                                         need_q, need_d)

@@ -32,7 +32,7 @@ def _scores_fake(Q, q_scales, d_values, d_scales, q_mask, d_mask, zero_mode, ent
     return Q.new_empty((Q.shape[0], n_docs), dtype=torch.float32)
 
 
-def _register_scores(kind: str, doc: str):
+def _register_scores(kind: str):
     """Register ``lik::maxsim_<kind>``: the two formats' ops differ only in their name, the
     dispatcher's op and the launcher they call."""
     launcher = f"maxsim_{kind}"
@@ -44,11 +44,9 @@ def _register_scores(kind: str, doc: str):
         return getattr(serve(d_values, kind, entry).quantized, launcher)(Q, q_scales, d_values, d_scales, q_mask,
                                                                          d_mask, zero_mode=zero_mode)
 
-    scores.__doc__ = doc
+    scores.__doc__ = f"{kind} MaxSim: ``Q`` is {kind} values with ``q_scales``, or float tokens (``q_scales`` None)."
     return registered(launcher, _scores_fake)(scores)
 
 
-maxsim_fp8 = _register_scores("fp8", "fp8 MaxSim: ``Q`` is e4m3 values with ``q_scales``, or float tokens "
-                                     "(``q_scales`` None).")
-maxsim_int8 = _register_scores("int8", "int8 MaxSim: ``Q`` is int8 values with ``q_scales``, or float tokens "
-                                       "(``q_scales`` None).")
+maxsim_fp8 = _register_scores("fp8")
+maxsim_int8 = _register_scores("int8")

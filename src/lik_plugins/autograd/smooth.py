@@ -65,8 +65,6 @@ class _SmoothMaxSim(torch.autograd.Function):
         Q, D, lse = ctx.saved_tensors
         tau, layout = ctx.options
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_q or need_d):
-            return None, None, None
         gq, gd = smooth_maxsim_backward(grad.contiguous(), Q, D, lse, tau, layout, need_q, need_d)
         return (gq if need_q else None), (gd if need_d else None), None
 
