@@ -74,10 +74,8 @@ __all__ = ["FastPlaidIndex", "load_fast_plaid_index", "plaid_search", "clear_ind
 
 logger = logging.getLogger(__name__)
 
-#: Device memory one batch of queries may use for its centroid scores and candidate
-#: buffers (the index itself excluded): the index's own size, within these bounds -- a
-#: search's scratch stays below the index it searches; the batch shrinks to fit, down to
-#: one query.
+#: Bounds on one query batch's scratch memory, otherwise the index's own size (module
+#: docstring): a search's scratch stays below the index it searches.
 WORKSPACE_BYTES = (32 << 20, 512 << 20)
 # CUDA's limit on a grid's second dimension (the approximate-score kernel's queries)
 _MAX_GRID_Y = 65535

@@ -119,9 +119,7 @@ def _check_source(name: str, x) -> None:
 
 
 def _quantize_index(fmt: TokenFormat, x: torch.Tensor, normalize: bool):
-    """``quantize_<kind>``: checked, optionally L2-normalised, refused on NaN/inf (one
-    reduction and a host sync: an index with a poisoned token would rank wrong for as long
-    as it is served)."""
+    """:func:`quantize_fp8` / :func:`quantize_int8` for ``fmt``."""
     _check_source(f"quantize_{fmt.kind}'s input", x)
     with torch.no_grad():
         if normalize:
@@ -169,10 +167,8 @@ def as_tokens(fmt: TokenFormat, name: str, x, rank: tuple[int, ...], quantize: b
         if x.dim() not in rank:
             raise ValueError(f"{name} must be {ranks}, got shape {tuple(x.shape)}")
         if torch.is_grad_enabled() and x.requires_grad:
-            raise RuntimeError(
-                f"maxsim_{fmt.kind} is inference-only and {name} requires grad; train with lik_plugins.maxsim, "
-                f"or call maxsim_{fmt.kind} under torch.no_grad()"
-            )
+            raise RuntimeError(f"maxsim_{fmt.kind} is inference-only and {name} requires grad; train with "
+                               f"lik_plugins.maxsim, or call maxsim_{fmt.kind} under torch.no_grad()")
         if not quantize:
             return x
         with torch.no_grad():
@@ -187,10 +183,8 @@ def as_tokens(fmt: TokenFormat, name: str, x, rank: tuple[int, ...], quantize: b
     if values.dim() not in rank:
         raise ValueError(f"{name} must be {ranks}, got shape {tuple(values.shape)}")
     if scales.dtype != torch.float32 or tuple(scales.shape) != tuple(values.shape[:-1]):
-        raise ValueError(
-            f"{name}.scales must be float32 of shape {tuple(values.shape[:-1])}, "
-            f"got {scales.dtype} {tuple(scales.shape)}"
-        )
+        raise ValueError(f"{name}.scales must be float32 of shape {tuple(values.shape[:-1])}, got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
     if scales.device != values.device:
         raise ValueError(f"{name}.scales is on {scales.device} but {name}.values on {values.device}")
     return fmt.tokens(values, scales.contiguous())
