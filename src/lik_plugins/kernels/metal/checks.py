@@ -100,17 +100,16 @@ def check_maxsim(case: Case, dtype: torch.dtype, device="cpu") -> dict[str, floa
     from .. import chunked, reference
 
     Q, D, q_mask, d_mask, grad = make_inputs(case, dtype)
-    on = [None if t is None else t.to(device) for t in (Q, D, q_mask, d_mask, grad)]
+    Qd, Dd, qm, dm, g = (None if t is None else t.to(device) for t in (Q, D, q_mask, d_mask, grad))
     cross = case.layout == "cross"
     mode = "zero" if case.zero_mode else "exclude"
-    scores, argmax = launch.forward(on[0], on[1], on[2], on[3], cross=cross, normalize=case.normalize,
+    scores, argmax = launch.forward(Qd, Dd, qm, dm, cross=cross, normalize=case.normalize,
                                     zero_mode=case.zero_mode, save_argmax=True)
-    gq, gd = launch.backward(on[4], on[0], on[1], argmax, cross=cross, normalize=case.normalize,
+    gq, gd = launch.backward(g, Qd, Dd, argmax, cross=cross, normalize=case.normalize,
                              need_q=True, need_d=True, strategy="lowmem")
     scores, argmax, gq, gd = scores.cpu(), argmax.cpu(), gq.cpu(), gd.cpu()
 
-    Q64 = Q.double().requires_grad_()
-    D64 = D.double().requires_grad_()
+    Q64, D64 = Q.double().requires_grad_(), D.double().requires_grad_()
     # pairs are candidates of one ([Nq, 1, Ld, d]), as the launchers take them
     want = reference.maxsim(Q64, D64, q_mask, d_mask, normalize=case.normalize, mask_mode=mode)
     want_gq, want_gd = torch.autograd.grad(want, (Q64, D64), grad.double())
@@ -138,8 +137,7 @@ def check_smooth(case: Case, dtype: torch.dtype, device="cpu") -> dict[str, floa
     scores, lse = launch.smooth_forward(Qd, Dd, case.tau, cross)
     gq, gd = launch.smooth_backward(Qd, Dd, lse, grad.to(device), case.tau, cross, True, True)
     scores, lse, gq, gd = scores.cpu(), lse.cpu(), gq.cpu(), gd.cpu()
-    Q64 = Q.double().requires_grad_()
-    D64 = D.double().requires_grad_()
+    Q64, D64 = Q.double().requires_grad_(), D.double().requires_grad_()
     want = smooth_maxsim_reference(Q64, D64, tau=case.tau)   # its layout follows D: 3-D cross, 4-D candidates
     want_gq, want_gd = torch.autograd.grad(want, (Q64, D64), grad.double())
     sim = torch.einsum("ash,bth->abst", Q64, D64) if cross else torch.einsum("ash,akth->akst", Q64, D64)
@@ -186,16 +184,9 @@ def report(results: list[Result]) -> str:
     for r in results:
         detail = r.failure or "  ".join(f"{k}={v:.2g}" for k, v in r.errors.items())
         lines.append(f"{r.case.name:<28} {dtype_name(r.dtype):<5} {'ok' if r.ok else 'FAIL':<6} {detail}")
-    lines.append("")
-    lines.append(f"{'kernel':<20} {'cases':>5} {'failed':>6}  worst error")
-    per_kernel: dict[str, list[Result]] = {}
-    for r in results:
-        for k in r.kernels:
-            per_kernel.setdefault(k, []).append(r)
-    for name in sorted(per_kernel):
-        rs = per_kernel[name]
+    lines += ["", f"{'kernel':<20} {'cases':>5} {'failed':>6}  worst error"]
+    for name in sorted({k for r in results for k in r.kernels}):
+        rs = [r for r in results if name in r.kernels]
         worst = max((v for r in rs for k, v in r.errors.items() if k != "argmax"), default=float("nan"))
         lines.append(f"{name:<20} {len(rs):>5} {sum(not r.ok for r in rs):>6}  {worst:.2g}")
     return "\n".join(lines)
-
-

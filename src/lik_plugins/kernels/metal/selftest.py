@@ -204,29 +204,23 @@ def main(argv=None) -> int:
                 errors, failure = {}, f"{type(exc).__name__}: {str(exc)[:2000]}"
             results.append(checks.Result(case, dtype, errors, [], failure))
     print(correctness_section(results), flush=True)
-    failed = sum(not r.ok for r in results)
 
     repeats = 3 if args.quick else 10
-    rows = []
-    for dtype in (torch.float16, torch.float32):
-        for shape in TIMING_SHAPES[: 2 if args.quick else None]:
-            rows.append(_timing_row(*shape, dtype, repeats))
-    table = timing_table(rows)
+    rows = [_timing_row(*shape, dtype, repeats)
+            for dtype in (torch.float16, torch.float32) for shape in TIMING_SHAPES[: 2 if args.quick else None]]
     print(timing_section(rows))
     print(closing(env, results))
 
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        payload = {
-            **env,
-            "correctness": [{"case": r.case.name, "dtype": checks.dtype_name(r.dtype), "errors": r.errors,
-                             "failure": r.failure} for r in results],
-            "timing": rows,
-        }
+        correctness = [{"case": r.case.name, "dtype": checks.dtype_name(r.dtype), "errors": r.errors,
+                        "failure": r.failure} for r in results]
+        payload = {**env, "correctness": correctness, "timing": rows}
         (out / "metal_selftest.json").write_text(json.dumps(payload, indent=2))
-        (out / "metal_selftest.md").write_text(heading(env) + "\n\n" + checks.report(results) + "\n\n" + table + "\n")
-    return 1 if failed else 0
+        markdown = "\n\n".join([heading(env), checks.report(results), timing_table(rows)])
+        (out / "metal_selftest.md").write_text(markdown + "\n")
+    return 1 if any(not r.ok for r in results) else 0
 
 if __name__ == "__main__":
     sys.exit(main())
