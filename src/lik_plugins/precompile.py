@@ -1,4 +1,4 @@
-"""Build the Triton binaries a workload needs into Triton's persistent disk cache, ahead of time.
+"""Build the Triton binaries a workload needs, ahead of time.
 
     python -m lik_plugins.precompile [--hosts pylate colpali sentence_transformers ops]
                                      [--dtypes bf16 fp16 fp32] [--dims 128 96] [--arch sm_90]
@@ -10,26 +10,20 @@ keyed by Triton's version, the kernels' sources, the ``ptxas`` in use and Triton
 cache-relevant environment, so build them with the Triton (and PyTorch, whose ``ptxas``
 ``torch.compile`` selects) the jobs will run.
 
-Which binaries: the real op layer runs each host's calls -- the layouts, masks and options
-its adapter passes, over a grid of batch sizes and lengths that covers the launchers' length
-buckets -- forward and backward, on ``meta`` tensors, with the target GPU's facts (its config
-table, SM count and shared memory) in place of the device's and every Triton launch noted
-instead of made (``kernels/triton/direct.recording``).  Each distinct launch (kernel,
-constexprs and compile options, argument dtypes, 16-divisibility of the specialised integers)
-is then compiled through the JIT's own ``warmup``, so its cache key is the one the runtime
-call computes.  With no GPU of the target architecture at hand (``--arch``), Triton's active
-driver is swapped for one that only names the target (:func:`compiling_for`): Triton lowers to
-PTX and runs ``ptxas`` without a device.  On a GPU of the target architecture each binary
-is also loaded once, so a Triton that compiles a C launcher per argument signature at the
-first launch (3.6) builds it into the cache here, not in the job's first step.
+Which binaries: each distinct launch the hosts' calls make -- their adapters' layouts, masks
+and options over a grid of batch sizes and lengths that covers the launchers' length buckets,
+forward and backward -- run on ``meta`` tensors planned for the target GPU and compiled
+through the JIT's own ``warmup``, so each cache key is the one the runtime call computes
+(docs/internals.md, "Launches, plans and configs").  ``--arch`` may name another architecture
+than the GPU at hand's; no GPU is needed (:func:`compiling_for`).  On a GPU of the target
+architecture each binary is also loaded once, so a Triton that compiles a C launcher per
+argument signature at the first launch (3.6) builds it into the cache here.
 
-With ``--ship`` the same variants are built into the binaries the package ships
-(``kernels/triton/binaries/<arch>.zip``: cubins and a manifest, ``kernels/triton/binaries_build``)
-instead of Triton's cache, and with them, per group of variants that differ only in
-specialisation hints, one compiled with none (``variants.generic_args``): the shipped-binary
-loader serves a launch whose own variant is not shipped -- a batch size, stride or view that
-changes an integer's divisibility or a tensor's alignment -- with it.
-The package launches them without the JIT (``LIK_SHIPPED_BINARIES=0``: through the JIT).
+``--ship`` writes them into the archive the package ships instead of Triton's cache
+(``kernels/triton/binaries/<arch>.zip``, or under ``--out``), with, per group of variants
+that differ only in specialisation hints, one built with none: it serves a launch of the group
+the grid did not see (:mod:`.kernels.triton.binaries_loader`; ``LIK_SHIPPED_BINARIES=0`` turns
+the shipped binaries off).
 
 Shapes outside the grid still run: a length in a bucket the grid did not reach (other
 constexprs) compiles its binary on first use (the call waits for it), as does, in Triton's
@@ -49,9 +43,12 @@ import traceback
 import types
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
+from itertools import product
 from pathlib import Path
 
 import torch
+
+from . import ops
 
 HOSTS = ("pylate", "colpali", "sentence_transformers", "ops")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -78,18 +75,13 @@ def _train(score):
 def _pylate(dtype, dim):
     """``colbert_scores`` (``Contrastive``: in-batch with hard negatives; ``Distillation``:
     per-query candidates) and ``rerank`` (inference): PyLate's multiplicative mask."""
-    from . import ops
-
-    for batch in (16, 32, 64, 128, 256):
-        for negatives in (0, 1):
-            for ld in (64, 128, 180, 256, 300):
-                nd = batch * (1 + negatives)
-                _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, nd, ld, dim), None,
-                                  _mask(nd, ld), mask_mode="zero"))
-    for batch, k in ((16, 32), (32, 32), (64, 16)):
-        for ld in (180, 300):
-            _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, k, ld, dim), None,
-                              _mask(batch, k, ld), mask_mode="zero"))
+    for batch, negatives, ld in product((16, 32, 64, 128, 256), (0, 1), (64, 128, 180, 256, 300)):
+        nd = batch * (1 + negatives)
+        _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, nd, ld, dim), None, _mask(nd, ld),
+                          mask_mode="zero"))
+    for (batch, k), ld in product(((16, 32), (32, 32), (64, 16)), (180, 300)):
+        _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, k, ld, dim), None,
+                          _mask(batch, k, ld), mask_mode="zero"))
     with torch.no_grad():
         for k in (100, 1000):
             ops.maxsim(_tokens(dtype, 1, 32, dim), _tokens(dtype, 1, k, 300, dim), None, _mask(1, k, 300),
@@ -99,40 +91,28 @@ def _pylate(dtype, dim):
 def _colpali(dtype, dim):
     """colpali-engine's losses: in-batch and hard-negative MaxSim over page tokens (no masks:
     padding tokens are zero) and their smooth-max variants."""
-    from . import ops
-
-    for batch in (8, 16, 32, 64):
-        for lq in (16, 32):
-            Q = _tokens(dtype, batch, lq, dim)
-            _train(ops.maxsim(Q, _tokens(dtype, batch, 1030, dim)))
-            _train(ops.maxsim(Q, _tokens(dtype, batch, 2, 1030, dim)))
-            _train(ops.smooth_maxsim(Q, _tokens(dtype, batch, 1030, dim), tau=0.1, layout="cross"))
-            _train(ops.smooth_maxsim(Q, _tokens(dtype, batch, 1030, dim), tau=0.1, layout="pairs"))
+    for batch, lq in product((8, 16, 32, 64), (16, 32)):
+        Q = _tokens(dtype, batch, lq, dim)
+        _train(ops.maxsim(Q, _tokens(dtype, batch, 1030, dim)))
+        _train(ops.maxsim(Q, _tokens(dtype, batch, 2, 1030, dim)))
+        _train(ops.smooth_maxsim(Q, _tokens(dtype, batch, 1030, dim), tau=0.1, layout="cross"))
+        _train(ops.smooth_maxsim(Q, _tokens(dtype, batch, 1030, dim), tau=0.1, layout="pairs"))
 
 
 def _sentence_transformers(dtype, dim):
     """sentence-transformers 6's multi-vector similarity: both sides masked, masked tokens
     excluded."""
-    from . import ops
-
-    for batch in (16, 32, 64, 128):
-        for lq in (16, 32):
-            for ld in (64, 128, 256):
-                _train(ops.maxsim(_tokens(dtype, batch, lq, dim), _tokens(dtype, batch, ld, dim), _mask(batch, lq),
-                                  _mask(batch, ld)))
+    for batch, lq, ld in product((16, 32, 64, 128), (16, 32), (64, 128, 256)):
+        _train(ops.maxsim(_tokens(dtype, batch, lq, dim), _tokens(dtype, batch, ld, dim), _mask(batch, lq),
+                          _mask(batch, ld)))
 
 
 def _ops(dtype, dim):
     """The public op as hand-written loops call it: in-batch with a document mask, queries
     of 8-32 tokens, documents up to 1030; and a launch-bound call without autograd (a couple
     of queries against a few short documents: a REPL, a smoke test, a host-cost benchmark)."""
-    from . import ops
-
-    for batch in (32, 64, 128, 256):
-        for lq in (8, 16, 32):
-            for ld in (64, 128, 180, 256, 300, 1030):
-                _train(ops.maxsim(_tokens(dtype, batch, lq, dim), _tokens(dtype, batch, ld, dim), None,
-                                  _mask(batch, ld)))
+    for batch, lq, ld in product((32, 64, 128, 256), (8, 16, 32), (64, 128, 180, 256, 300, 1030)):
+        _train(ops.maxsim(_tokens(dtype, batch, lq, dim), _tokens(dtype, batch, ld, dim), None, _mask(batch, ld)))
     with torch.no_grad():
         for lq in (8, 16, 32):
             ops.maxsim(_tokens(dtype, 2, lq, dim, grad=False), _tokens(dtype, 4, 16, dim, grad=False))
@@ -143,18 +123,14 @@ def _unmasked(dtype, dim):
     """Calls without masks, as scoring code and kernel benchmarks make them: one to a few
     hundred queries scored against a corpus (reranking, search, long visual queries), and
     training steps in-batch, per-query candidates and pairs."""
-    from . import ops
-
+    queries = ((1, 32), (8, 32), (16, 32), (64, 32), (256, 32), (64, 128), (16, 512), (1, 1024))
     with torch.no_grad():
-        for nq, lq in ((1, 32), (8, 32), (16, 32), (64, 32), (256, 32), (64, 128), (16, 512), (1, 1024)):
-            for ld in (256, 300, 1030):
-                for nd in (8, 256, 1000, 2000, 4096, 100_000):
-                    ops.maxsim(_tokens(dtype, nq, lq, dim, grad=False), _tokens(dtype, nd, ld, dim, grad=False))
-    for batch in (8, 64, 256, 1024):
-        for ld in (180, 256, 300, 1030):
-            _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, ld, dim)))
-            _train(ops.maxsim_pairs(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, ld, dim)))
-            _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, 16, ld, dim)))
+        for (nq, lq), ld, nd in product(queries, (256, 300, 1030), (8, 256, 1000, 2000, 4096, 100_000)):
+            ops.maxsim(_tokens(dtype, nq, lq, dim, grad=False), _tokens(dtype, nd, ld, dim, grad=False))
+    for batch, ld in product((8, 64, 256, 1024), (180, 256, 300, 1030)):
+        _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, ld, dim)))
+        _train(ops.maxsim_pairs(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, ld, dim)))
+        _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, 16, ld, dim)))
 
 
 WORKLOADS = {"pylate": _pylate, "colpali": _colpali, "sentence_transformers": _sentence_transformers, "ops": _ops}
