@@ -712,8 +712,11 @@ def test_the_generic_binaries_compute_bit_for_bit_what_the_specialised_ones_do(c
         report = binaries_loader.diagnostics()
     assert served and all(variants.specialisation(h) == 0 for h in served), served
     assert report["missing"] == {} and report["kernels"] == {}, report
-    for got, want, repeat in zip(generic[:3], specialised[:3], again[:3]):
-        if torch.equal(want, repeat):
+    # the smooth max's grad_Q adds one partial per document split with fp32 atomics, in no fixed
+    # order (more than two splits here): two runs may agree by chance and a third differ
+    atomic = {1} if name.startswith("colpali-smooth") else set()
+    for i, (got, want, repeat) in enumerate(zip(generic[:3], specialised[:3], again[:3])):
+        if i not in atomic and torch.equal(want, repeat):
             assert torch.equal(got, want)
         else:
             assert _rel(got, want) < CUDA_TOL[dtype]
