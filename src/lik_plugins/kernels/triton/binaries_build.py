@@ -1,14 +1,10 @@
 """Build the shipped kernel binaries (``binaries/<arch>.zip``): run by
 ``python -m lik_plugins.precompile --ship``, on any machine (no GPU needed).
 
-Each variant is compiled by the installed Triton through the JIT's own ``warmup`` (so it is
-the binary the JIT would build for that launch), and what a launch needs is read from the
-compiled kernel: the cubin, the function name, warps and shared memory, and from its
-signature which positional arguments Triton kept as parameters and with which type (the
-ones it compiled in -- constexprs, integers equal to 1, ``None`` -- are not passed).  That
-list is checked against the parameters the PTX entry declares
-(:func:`binaries_cuda.launch_codes`), so a Triton whose kernel ABI differs fails the build,
-not a launch.
+Each variant is the binary the JIT's own ``warmup`` builds for that launch; what a launch
+needs is read from the compiled kernel: the cubin, the function name, warps, shared memory
+and its parameters (:func:`binaries_cuda.launch_codes`: a Triton whose kernel ABI differs
+fails the build, not a launch).
 """
 from __future__ import annotations
 
@@ -94,9 +90,7 @@ def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, 
     import triton
     import torch
 
-    file_keys = {}
-    for kernel, _, _ in todo:
-        file_keys.setdefault(kernel_name(kernel), file_key(kernel))
+    file_keys = {kernel_name(kernel): file_key(kernel) for kernel, _, _ in todo}
     major, minor = ptxas_release()
     manifest = {
         "format": FORMAT, "arch": arch, "workload": workload,

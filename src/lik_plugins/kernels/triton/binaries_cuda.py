@@ -7,12 +7,6 @@ compiled the variant (constexprs and integers specialised to 1 are compiled in, 
 are not passed), then two null pointers: the global and profile scratch buffers every
 Triton kernel of the supported releases takes last (the binaries shipped need neither:
 the build refuses kernels that use scratch memory).
-
-One :class:`LaunchLayout` per variant is built at load time: a buffer with one 8-byte slot
-per parameter, the array of slot addresses ``cuLaunchKernel`` reads, and one
-``struct.Struct`` that writes a call's values into the slots in one step.  A call then
-costs the packing and the foreign call, nothing per argument in Python beyond reading
-tensors' addresses.
 """
 from __future__ import annotations
 
@@ -97,8 +91,9 @@ def launch_codes(compiled, n_args: int) -> str:
 
 
 class LaunchLayout:
-    """The parameter memory of one variant: ``codes`` has one code per positional argument
-    of the launch (``-`` for those compiled in), followed by the scratch pointers."""
+    """The parameter memory of one variant, built when it loads: one 8-byte slot per parameter
+    and the array of slot addresses ``cuLaunchKernel`` reads.  ``codes`` has one code per
+    positional argument of the launch (``-`` for those compiled in); the scratch pointers follow."""
 
     def __init__(self, codes: str):
         kept = [i for i, c in enumerate(codes) if c != DROPPED]

@@ -1,34 +1,23 @@
 """Kernel binaries shipped with the package, launched without Triton's JIT.
 
-``binaries/<arch>.zip`` holds one architecture's binaries (deflated members, each read on
-its first use) and ``manifest.json``, which lists, per variant a host's calls reach (the key
-:func:`lik_plugins.kernels.triton.variants.variant` gives a launch: kernel, constexprs and
-options, argument features), the cubin file and what launching it takes: the function
-name, warps, shared memory, and one parameter code per positional argument
-(:mod:`binaries_cuda`), and the variant's group and hints (:func:`variants.group`).
-``python -m lik_plugins.precompile --ship`` writes them (:mod:`binaries_build`).  :func:`find`
-is the direct launcher's first stop for a launch it has no plan for: the binary of the
-launch's own variant, else the most specialised binary of its group whose hints the launch
-satisfies (:func:`variants.serves`: a binary compiled without the 16-divisibility or
-alignment hint, or with an integer as a parameter, serves launches with other values; the
-build ships a binary with no hints for every group, so a batch size, length or view the
-build did not see is still served).  Where it answers ``None`` the launch goes through the
-JIT as before, and :func:`diagnostics` says why.
+``binaries/<arch>.zip`` holds one architecture's cubins (deflated, each read on its first use)
+and ``manifest.json``, which gives per variant a host's calls reach (keyed by
+:func:`variants.variant`) the cubin and what launching it takes: the function name, warps,
+shared memory, one parameter code per positional argument (:mod:`binaries_cuda`), and the
+variant's group and hints (:func:`variants.group`).  ``python -m lik_plugins.precompile
+--ship`` writes them (:mod:`binaries_build`).  :func:`find` is the direct launcher's first stop
+for a launch it has no plan for; where it answers ``None`` the launch goes through the JIT as
+before, and :func:`diagnostics` says why.
 
-Nothing here imports Triton's compiler or driver: the binaries load through the CUDA
-driver API, so the installed Triton's version does not matter, only the kernels' source
-(each kernel's :func:`file_key`, checked against the manifest: a kernel whose files were
-edited since the binaries were built compiles through the JIT instead).  Before the first
-shipped launch on a device, the self-check kernel's binary runs twice (other lengths,
-another scalar) and its output is compared with the values it must write; any failure
-there -- no ``libcuda``, a driver older than the binaries, a load error, a wrong value --
-leaves the device on the JIT path, with the reason.  On by default;
-``LIK_SHIPPED_BINARIES=0`` turns it off.
+Nothing here imports Triton's compiler or driver: the binaries load through the CUDA driver
+API, so the installed Triton's version does not matter, only the kernels' source (each
+kernel's :func:`file_key`, checked against the manifest's).  Before the first shipped launch
+on a device the self-check kernel's binary runs (:func:`_self_check`); any failure there -- no
+``libcuda``, a driver older than the binaries, a load error, a wrong value -- leaves the device
+on the JIT path, with the reason.  On by default; ``LIK_SHIPPED_BINARIES=0`` turns it off.
 
-The JIT's own binaries launch through the same driver call (:func:`from_jit`): after a
-plan's first launch through the JIT, its compiled kernel is wrapped like a shipped one, so
-later launches skip the JIT's per-call argument handling.  Where no shipped binary checked
-the driver path on that device, the self-check kernel, compiled by the JIT, checks it first.
+The JIT's own binaries launch through the same driver call (:func:`from_jit`): after a plan's
+first launch through the JIT, later ones skip the JIT's per-call argument handling.
 """
 from __future__ import annotations
 
@@ -120,14 +109,6 @@ def _codes(code):
             yield from _codes(const)
 
 
-def _same_source(kernel, name: str, device) -> bool:
-    """Whether ``kernel`` is the source ``device``'s binaries were built from."""
-    key = _file_keys.get(id(kernel))
-    if key is None:
-        key = _file_keys[id(kernel)] = file_key(kernel)
-    return key == device.file_keys.get(name)
-
-
 def archive_path(arch: str, root: Path | None = None) -> Path:
     """Where ``arch``'s binaries are (under ``root``, default the package's)."""
     return (root or BINARIES_DIR) / f"{arch}.zip"
@@ -189,13 +170,9 @@ class _Device:
         return None
 
     def kernel(self, key: str | None):
-        found = self.loaded.get(key)
-        if found is None:
-            entry = self.entries.get(key)
-            if entry is None:
-                return None
-            found = self.loaded[key] = self._load(entry)
-        return found
+        if key not in self.loaded and key in self.entries:
+            self.loaded[key] = self._load(self.entries[key])
+        return self.loaded.get(key)
 
     def _load(self, entry: dict) -> cuda.ShippedKernel:
         layout = cuda.LaunchLayout(entry["params"])
@@ -305,8 +282,7 @@ def _driver_launches_ok(ordinal: int):
     if ok is None:
         if torch.cuda.is_current_stream_capturing():
             return "not checked yet (the self-check copies to the host, which a CUDA graph's capture forbids)"
-        device = _devices.get(ordinal)
-        if isinstance(device, _Device):
+        if isinstance(_devices.get(ordinal), _Device):
             ok = True
         else:
             try:
@@ -348,11 +324,12 @@ def find(kernel, variant: tuple, ordinal: int):
     if name in _stale:
         return None
     try:
-        same = _same_source(kernel, name, device)
+        if id(kernel) not in _file_keys:
+            _file_keys[id(kernel)] = file_key(kernel)
     except OSError as exc:    # no source to check (a .pyc-only install)
         _stale[name] = f"{name}: its source cannot be read to check the binaries ({type(exc).__name__}: {exc})"
         return None
-    if not same:
+    if _file_keys[id(kernel)] != device.file_keys.get(name):
         _stale[name] = (f"{name}: its source differs from the one the {device.arch} binaries were built from"
                         if name in device.file_keys else f"{name}: not among the shipped kernels")
         return None
