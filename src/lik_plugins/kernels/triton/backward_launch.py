@@ -255,8 +255,7 @@ def _unified_backward(grad, Q, D, argmax, rq, rd, *, cross, normalize, need_q, n
     # one-pass grad_D is the fp32 buffer cast once (no separate empty + copy).
     grad_d = None
     if need_d and (straight or not one_pass):
-        grad_d = torch.zeros(D.shape, dtype=D.dtype, device=device) if straight else \
-            torch.empty(D.shape, dtype=D.dtype, device=device)
+        grad_d = (torch.zeros if straight else torch.empty)(D.shape, dtype=D.dtype, device=device)
     gd32 = None
     if one_pass:
         gd32 = grad_d if straight else torch.zeros(D.shape, dtype=torch.float32, device=device)

@@ -79,19 +79,15 @@ def row_blocking(lq: int, nq: int, cross: bool, block_m: int = TARGET_BLOCK_M) -
     row chunks per query, for programs of about ``block_m`` rows.  Powers of two;
     BLOCK_M = ROWS_PER_Q * QPB >= 16 (MMA minimum)."""
     rows = min(next_pow2(max(lq, 1)), max(MAX_ROWS_PER_Q, block_m))
-    if cross:
-        qpb = max(1, min(block_m // rows, next_pow2(max(nq, 1))))
-    else:
-        qpb = 1  # each query has its own candidates: nothing to share
+    # without the cross product each query has its own candidates: nothing to share
+    qpb = max(1, min(block_m // rows, next_pow2(max(nq, 1)))) if cross else 1
     rows = max(rows, 16 // qpb)
     return rows, qpb, cdiv(max(lq, 1), rows)
 
 
 def _multi_doc(nj: int, ld: int, n_programs: int) -> bool:
     """A launch big enough for several documents per program (see FORWARD_DOCS_PER_PROGRAM)."""
-    if nj % FORWARD_DOCS_PER_PROGRAM:
-        return False
-    return n_programs >= FORWARD_MULTI_DOC_MIN_PROGRAMS * (2 if ld > 256 else 1)
+    return nj % FORWARD_DOCS_PER_PROGRAM == 0 and n_programs >= FORWARD_MULTI_DOC_MIN_PROGRAMS * (2 if ld > 256 else 1)
 
 
 def docs_per_program(nj: int, ld: int, n_programs: int, save_argmax: bool, elem: int,

@@ -67,10 +67,8 @@ def reset_variants() -> None:
 
 def _active(hook) -> bool:
     # Triton 3.5+ keeps a HookChain (empty unless a profiler added a hook); earlier, None
-    if hook is None:
-        return False
     calls = getattr(hook, "calls", None)
-    return True if calls is None else bool(calls)
+    return hook is not None and (calls is None or bool(calls))
 
 
 def _hooks_set() -> bool:

@@ -88,36 +88,28 @@ def _smem_usable() -> int:
     return _smem_budget() - 8 * 1024
 
 
-def _configs():
-    return [
-        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-        for n in (32, 64, 128)
-        for w in (4, 8)
-        for s in (2, 3, 4)
-    ]
-
-
 def _prune(configs, named_args, **kwargs):
     block_m = kwargs["ROWS_PER_Q"] * kwargs["QPB"]
-    block_k = kwargs["BLOCK_K"]
     elem = named_args["Q"].element_size()
     budget = _smem_usable()
-    kept = [c for c in configs if _smem_bytes(block_m, c.kwargs["BLOCK_N"], block_k, c.num_stages, elem) <= budget]
-    # 8 warps only pay with a tall block (a warp needs >= 16 rows of the MMA)
-    kept = [c for c in kept if c.num_warps == 4 or block_m >= 128]
+    kept = [
+        c for c in configs
+        if _smem_bytes(block_m, c.kwargs["BLOCK_N"], kwargs["BLOCK_K"], c.num_stages, elem) <= budget
+        # 8 warps only pay with a tall block (a warp needs >= 16 rows of the MMA)
+        and (c.num_warps == 4 or block_m >= 128)
+    ]
     return kept or configs[:1]
 
 
-def _autotune_kwargs() -> dict:
-    params = inspect.signature(triton.autotune).parameters
-    return {"cache_results": True} if "cache_results" in params else {}
-
+# An older Triton without ``cache_results`` sweeps again in every process (nothing persisted).
+_PERSISTED = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 _tuned_forward = triton.autotune(
-    configs=_configs(),
+    configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+             for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)],
     key=["ROWS_PER_Q", "QPB", "D_PAD", "SAVE_ARG", "RUNNING_MAX", "DOCS_PER_PROGRAM", "size_class"],
     prune_configs_by={"early_config_prune": _prune},
-    **_autotune_kwargs(),
+    **_PERSISTED,
 )(maxsim_fwd_kernel)
 
 
@@ -132,8 +124,7 @@ def forward_kernel_and_meta(*, rows_per_q, qpb, d_pad, dtype, n_programs, save_a
     run after the launch (records the autotuner's choice)."""
     block_k = k_tile(d_pad)
     if interpreting() or n_programs < SMALL_LAUNCH_PROGRAMS:
-        block_n = 64 if d_pad <= 256 else 32
-        meta = {"BLOCK_N": block_n, "BLOCK_K": block_k}
+        meta = {"BLOCK_N": 64 if d_pad <= 256 else 32, "BLOCK_K": block_k}
         if not interpreting():
             # a 256-row block on 4 warps would hold 128 fp32 accumulators per thread
             meta.update(num_warps=8 if rows_per_q * qpb >= 256 else 4, num_stages=2)
@@ -235,9 +226,7 @@ def _table(arch: str | None) -> dict | None:
     """``{kernel: {encoded key: config}}`` for ``arch`` (its own, else the table it takes,
     :data:`STAND_IN_TABLES`), or None."""
     own = _own_table(arch)
-    if own is None and arch in STAND_IN_TABLES:
-        return _own_table(STAND_IN_TABLES[arch])
-    return own
+    return own if own is not None else _own_table(STAND_IN_TABLES.get(arch))
 
 
 @functools.lru_cache(maxsize=None)
@@ -289,18 +278,6 @@ def _from_table(kernel: str, key: tuple, *, size_at: int | None, default: dict) 
 
 
 # ---------------------------------------------------------------- lowmem grad_D
-def _doc_configs():
-    return [
-        triton.Config({"BLOCK_T": t, "BLOCK_R": r}, num_warps=w, num_stages=st)
-        # tall token tiles and K >= 64 won every cross shape of the sweep behind the sm90
-        # table; narrower tiles stay for wide embeddings (the accumulator must fit)
-        for t in (32, 64, 128)
-        for r in (64, 128)
-        for w in (4, 8)
-        for st in (2, 3)
-    ]
-
-
 def _doc_prune(configs, named_args, **kwargs):
     d_pad = kwargs["D_PAD"]
     elem = 4 if kwargs["F32_DOT"] else named_args["Q"].element_size()
@@ -316,10 +293,13 @@ def _doc_prune(configs, named_args, **kwargs):
 
 
 _tuned_doc = triton.autotune(
-    configs=_doc_configs(),
+    # tall token tiles and K >= 64 won every cross shape of the sweep behind the sm90 table;
+    # narrower tiles stay for wide embeddings (the accumulator must fit)
+    configs=[triton.Config({"BLOCK_T": t, "BLOCK_R": r}, num_warps=w, num_stages=st)
+             for t in (32, 64, 128) for r in (64, 128) for w in (4, 8) for st in (2, 3)],
     key=["CROSS", "D_PAD", "F32_DOT", "NORMALIZE", "WITH_GATHER", "GUARD_ROWS", "COMPACT"],
     prune_configs_by={"early_config_prune": _doc_prune},
-    **_autotune_kwargs(),
+    **_PERSISTED,
 )(maxsim_bwd_doc_kernel)
 
 

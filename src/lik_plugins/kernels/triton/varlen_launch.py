@@ -132,10 +132,8 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
     # a pair list repeats queries, and a split walks a query's documents in several programs:
     # then several programs add into one grad_Q row
     atomic_q = pairs is not None or n_split > 1
-    gq = None
-    if need_q:
-        # zeros: rows no offset covers (before cu_q[0]) get no program
-        gq = torch.zeros(Q.shape, dtype=torch.float32 if atomic_q else Q.dtype, device=device)
+    # zeros: rows no offset covers (before cu_q[0]) get no program
+    gq = torch.zeros(Q.shape, dtype=torch.float32 if atomic_q else Q.dtype, device=device) if need_q else None
     gd32 = torch.zeros(D.shape, dtype=torch.float32, device=device) if need_d else None
     index = placeholder(device, torch.int32)
     pair_q, pair_d = pairs if pairs is not None else (index, index)
@@ -157,9 +155,6 @@ def varlen_backward(grad, Q, D, cu_q, cu_d, pairs, argmax, *, normalize, need_q,
         Q.stride(0), Q.stride(1), D.stride(0), D.stride(1),
         argmax.stride(0), n_split, j_per_split,
     ), meta, static_key=static_key, caller_tensors=(grad, Q, D, argmax, cu_q, cu_d, pair_q, pair_d))
-    grad_q = grad_d = None
-    if need_q:
-        grad_q = finish_rows(gq, Q, rq, normalize) if atomic_q else gq
-    if need_d:
-        grad_d = finish_rows(gd32, D, rd, normalize)
+    grad_q = finish_rows(gq, Q, rq, normalize) if need_q and atomic_q else gq
+    grad_d = finish_rows(gd32, D, rd, normalize) if need_d else None
     return grad_q, grad_d
