@@ -35,8 +35,11 @@ COMPACT_MIN_WORK = 1 << 24   # Nq*Lq * Nd*Ld: the dense walk's one-hot size
 GATHER_ALONE_MIN_WAVES = 1
 
 
-def project_into(g32, X, inv_norm, out):
-    """out = normalisation Jacobian of X applied to the fp32 rows g32 (one fused pass)."""
+def _finish(g32, X, inv_norm, out, normalize):
+    """``out`` = the fp32 gradient rows ``g32`` of ``X``, through the normalisation's Jacobian
+    if any (one fused pass)."""
+    if not normalize:
+        return out.copy_(g32)
     dim = X.shape[-1]
     rows = g32.numel() // dim
     d_pad = max(16, next_pow2(dim))
@@ -45,23 +48,14 @@ def project_into(g32, X, inv_norm, out):
     launch(project_rows_kernel, (cdiv(rows, block_r),),
            (g32, x_rows, inv_norm.reshape(-1), out, rows, dim, x_rows.stride(0), x_rows.stride(1)),
            dict(BLOCK_R=block_r, D_PAD=d_pad))
-
-
-def _finish(g32, X, inv_norm, out, normalize):
-    """``out`` = the fp32 gradient rows ``g32`` of ``X``, through the normalisation's Jacobian if any."""
-    if normalize:
-        project_into(g32, X, inv_norm, out)
-    else:
-        out.copy_(g32)
+    return out
 
 
 def finish_rows(g32, X, inv_norm, normalize):
     """``X``'s gradient from an fp32 buffer of its rows, as :func:`_finish` but in a new
     tensor: cast without normalisation (the buffer itself for fp32)."""
     if normalize:
-        out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
-        project_into(g32, X, inv_norm, out)
-        return out
+        return _finish(g32, X, inv_norm, torch.empty(X.shape, dtype=X.dtype, device=X.device), normalize)
     return g32 if X.dtype == torch.float32 else g32.to(X.dtype)
 
 
@@ -76,7 +70,6 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
     device = Q.device
     stand_in = placeholder(device, torch.float32)
     need_q = grad_q is not None
-    scatter = gd32 is not None
     block_s, block_j, base_programs, n_split, j_per_split = gather_blocking(nq, nj, lq, d_pad, sm_count(device))
     partial = need_q and n_split > 1
     gq_out = torch.empty((n_split, nq, lq, dim), dtype=torch.float32, device=device) if partial else grad_q
@@ -91,7 +84,7 @@ def _gather_pass(grad, Q, D, argmax, rq, rd, grad_q, gd32, *, cross, normalize):
         0 if cross else nj * ld * dim, ld * dim, argmax.stride(0),
         n_split, j_per_split,
     ), dict(
-        NEED_Q=need_q, SCATTER_D=scatter, NORMALIZE=bool(normalize), PARTIAL=partial,
+        NEED_Q=need_q, SCATTER_D=gd32 is not None, NORMALIZE=bool(normalize), PARTIAL=partial,
         BLOCK_J=block_j, BLOCK_S=block_s, D_PAD=d_pad, num_warps=4 if d_pad <= 128 else 8,
     ))
     if partial:
@@ -102,13 +95,12 @@ def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy, 
     """``strategy``: ``"lowmem"`` (destination-owned grad_D, deterministic, no fp32 buffer)
     or ``"unified"`` (gather + atomic scatter in one pass over the argmax).  ``q_masked``:
     the forward had a query mask, so rows without a winner may hold anything (NaN)."""
-    device = Q.device
     if grad.dtype != torch.float32:
         grad = grad.float()
     if Q.numel() == 0 or D.numel() == 0 or grad.numel() == 0:
         return (torch.zeros_like(Q, memory_format=torch.contiguous_format) if need_q else None), \
             (D.new_zeros(D.shape) if need_d else None)
-    stand_in = placeholder(device, torch.float32)
+    stand_in = placeholder(Q.device, torch.float32)
     rq = inverse_norms(Q) if normalize else stand_in
     rd = inverse_norms(D) if normalize else stand_in
     if need_d and strategy != "unified":

@@ -161,9 +161,8 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax, s
            None if doc_format is None else doc_format.key(), d_lengths is not None)
     plan, after_launch = cached_plan(_FORWARD_PLANS, key, lambda: _plan_forward(
         Q, D, rd, cross, scaled, zero_mode, save_argmax, s_qm, s_dm, doc_format, d_lengths is not None))
-    argmax = None
-    if save_argmax:
-        argmax = torch.empty((Q.shape[0], plan.out_shape[-1], Q.shape[1]), dtype=plan.arg_dtype, device=device)
+    argmax = (torch.empty((Q.shape[0], plan.out_shape[-1], Q.shape[1]), dtype=plan.arg_dtype, device=device)
+              if save_argmax else None)
     if plan.empty:
         return torch.zeros(plan.out_shape[-2:], dtype=torch.float32, device=device), \
             (argmax.fill_(-1) if argmax is not None else None)

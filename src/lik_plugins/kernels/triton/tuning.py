@@ -204,7 +204,7 @@ def _encode_key(key: tuple) -> str:
         if isinstance(v, tuple):
             return [enc(x) for x in v]
         return v
-    return json.dumps([enc(v) for v in key])
+    return json.dumps(enc(key))
 
 
 def architecture() -> str | None:
