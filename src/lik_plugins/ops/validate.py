@@ -113,20 +113,22 @@ def check_offsets(name: str, cu: torch.Tensor, packed_rows: int, max_seqlen, max
     """The offsets rule of ``cu_seqlens`` against its packed tensor of ``packed_rows`` tokens
     (starts at 0, ends at ``packed_rows``, never decreases, no sequence longer than
     ``max_seqlen``) as a check for :func:`settle_checks`: ``ok`` and ``longest`` 0-d device
-    tensors (no host sync here), the broken rules' messages and the whole rule."""
+    tensors (no host sync here), the broken rules' messages, and the whole rule in one sentence
+    (the message of a check asserted on the device, where the offending index cannot be read
+    without a host sync)."""
     check_offsets_shape(name, cu, packed_rows)
     lengths = cu[1:] - cu[:-1]
     # one [N] temporary and two reductions of it: with a second [N] one (a concatenation, a
     # bool mask) live beside it, the check's peak was twice the scores' of a 1-query rerank
-    if lengths.numel():
-        shortest, longest = torch.aminmax(lengths)
-    else:
-        shortest = longest = lengths.new_zeros(())
+    shortest, longest = torch.aminmax(lengths) if lengths.numel() else (lengths.new_zeros(()),) * 2
     ok = (cu[0] == 0) & (cu[-1] == packed_rows) & (shortest >= 0)
     if max_seqlen is not None:
         ok = ok & (longest <= max_seqlen)
-    return (ok, longest, lambda: offsets_problems(name, cu, packed_rows, max_seqlen, max_name),
-            offsets_rule(name, packed_rows, max_seqlen, max_name))
+    bound = "" if max_seqlen is None else f", and no sequence may be longer than {max_name}={max_seqlen}"
+    rule = (f"{name} must start at 0, end at the packed length {packed_rows}, never decrease{bound} "
+            f"(the error names the broken rule and its index when the offsets are checked on the host: "
+            f"on the CPU outside torch.compile, or with {max_name} omitted)")
+    return ok, longest, lambda: offsets_problems(name, cu, packed_rows, max_seqlen, max_name), rule
 
 
 def _first(flags: torch.Tensor) -> int | None:
@@ -184,15 +186,6 @@ def lengths_problems(name: str, lengths: torch.Tensor, bound: int) -> list[str]:
         return []
     at = tuple(int(i) for i in bad[0])
     return [f"{name}[{', '.join(map(str, at))}] = {int(lengths[at])}: lengths must lie in [0, {bound}]"]
-
-
-def offsets_rule(name: str, packed_rows: int, max_seqlen, max_name: str) -> str:
-    """The whole rule in one sentence: the message of a check asserted on the device, where
-    the offending index cannot be read without a host sync."""
-    bound = "" if max_seqlen is None else f", and no sequence may be longer than {max_name}={max_seqlen}"
-    return (f"{name} must start at 0, end at the packed length {packed_rows}, never decrease{bound} "
-            f"(the error names the broken rule and its index when the offsets are checked on the host: "
-            f"on the CPU outside torch.compile, or with {max_name} omitted)")
 
 
 def settle_checks(checks: list, host_read_needed: bool) -> list | None:
