@@ -8,16 +8,8 @@ The shaders live in ``shaders/*.metal`` (package data) and are compiled on first
 library per input dtype (fp16 / bf16 / fp32), prefixed by :func:`library_source`.  The
 same source runs under the repository's CPU emulator (``tools/metal_emulator``):
 :func:`using_compiler` swaps the compiler, so every launcher here also runs on CPU tensors
-in tests.
-
-Differences from the chunked path a caller should know:
-
-* the kernel writes an int32 argmax ``[Nq, NJ, Lq]`` (``-1`` = no winner); ``forward``
-  returns it in the dtype every path shares (:func:`~lik_plugins.kernels.common.argmax_dtype`)
-  and ``backward`` accepts any integer dtype;
-* ``strategy`` is ignored: the one backward is destination-owned and deterministic;
-* ``smooth_backward`` serves embeddings up to :data:`SMOOTH_MAX_DIM`; wider ones are
-  computed by the chunked smooth-max backward on the same device.
+in tests.  Where a launcher differs from the chunked path (the kernel's int32 argmax, the
+ignored ``strategy``, the widest embedding the smooth-max backward takes) its docstring says.
 """
 from __future__ import annotations
 
@@ -56,13 +48,9 @@ def library_source(dtype: torch.dtype, shader_dir: Path | str | None = None) -> 
     if dtype not in ELEM_TYPES:
         raise TypeError(f"the Metal kernels take fp16/bf16/fp32 inputs, got {dtype}")
     folder = Path(shader_dir) if shader_dir is not None else SHADER_DIR
-    parts = [
-        "#include <metal_stdlib>\nusing namespace metal;\n",
-        f"typedef {ELEM_TYPES[dtype]} elem_t;\n",
-    ]
+    parts = ["#include <metal_stdlib>\nusing namespace metal;\n", f"typedef {ELEM_TYPES[dtype]} elem_t;\n"]
     for name in SHADER_FILES:
-        parts.append(f"// ---- {name}\n")
-        parts.append((folder / name).read_text(encoding="utf-8"))
+        parts += [f"// ---- {name}\n", (folder / name).read_text(encoding="utf-8")]
     return "".join(parts)
 
 
@@ -265,7 +253,8 @@ def _project(lib, g32: torch.Tensor, X: torch.Tensor, inv: torch.Tensor) -> None
 
 # --------------------------------------------------------------------------- MaxSim
 def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
-    """Scores ``[Nq, NJ]`` fp32 and, if ``save_argmax``, the int32 argmax ``[Nq, NJ, Lq]``.
+    """Scores ``[Nq, NJ]`` fp32 and, if ``save_argmax``, the argmax ``[Nq, NJ, Lq]``: the
+    kernel writes int32, returned in :func:`~lik_plugins.kernels.common.argmax_dtype` as every path's.
 
     Args:
         Q: ``[Nq, Lq, d]`` fp16 / bf16 / fp32 on the device of the library.
@@ -305,7 +294,8 @@ def forward(Q, D, q_mask, d_mask, *, cross, normalize, zero_mode, save_argmax):
 
 
 def backward(grad, Q, D, argmax, *, cross, normalize, need_q, need_d, strategy="lowmem", q_masked=True):
-    """``(grad_Q or None, grad_D or None)`` in the inputs' dtypes, through the saved argmax.
+    """``(grad_Q or None, grad_D or None)`` in the inputs' dtypes, through the saved argmax
+    (any integer dtype).
 
     grad_Q gathers each row's winners in document order (one simdgroup per query row);
     grad_D is destination-owned (each element written by the one thread that owns it, in
