@@ -221,8 +221,7 @@ def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, out_k: int, n_ivf_prob
     # 2. IVF probe: each query token's best cells, their lists' union as a [B, N] mask
     # (with a subset, among the centroids its documents use: other cells hold none of them)
     n_probe = min(n_ivf_probe, index.centroids.shape[0])
-    allowed = None
-    probed = S
+    allowed, probed = None, S
     if subset is not None:
         allowed, usable = _subset_masks(index, subset, Q.device)
         probed = S.masked_fill(~usable[:, :, None], float("-inf"))

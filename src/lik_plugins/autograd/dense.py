@@ -103,9 +103,7 @@ def maxsim_backward(
     cross = layout == CROSS
     shape = (Q.shape[0], Q.shape[1], D.shape[0], D.shape[1], Q.shape[2]) if cross else None
     strategy = choose_backward(strategy, cross=cross, shape=shape, sms=sm_count(Q.device))
-    D_view = D.unsqueeze(1) if layout == PAIRS else D
-    if layout == PAIRS:
-        grad = grad.unsqueeze(1)
+    D_view, grad = (D.unsqueeze(1), grad.unsqueeze(1)) if layout == PAIRS else (D, grad)
     gq, gd = launchers.backward(grad, Q, D_view, argmax, cross=cross, normalize=normalize, need_q=need_q,
                                 need_d=need_d, strategy=strategy, q_masked=q_masked)
     if gd is not None and layout == PAIRS:

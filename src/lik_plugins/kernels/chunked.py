@@ -175,8 +175,7 @@ def smooth_forward(Q, D, tau: float, cross: bool):
     inv_tau = 1.0 / tau
     for index, _, _, sim in _similarity_chunks(Q, D, cross, cdt):
         lse[index] = torch.logsumexp(sim.mul_(inv_tau), dim=-1)
-    scores = lse.sum(dim=-1) * tau
-    return scores, lse
+    return lse.sum(dim=-1) * tau, lse
 
 
 def smooth_backward(Q, D, lse, grad, tau: float, cross: bool, need_q: bool, need_d: bool):
@@ -350,8 +349,7 @@ def varlen_forward(Q, D, cu_q, cu_d, pairs, q_mask, d_mask, *, max_q, max_d, nor
                 pd = pair_d[ps]
                 parts = [_score_run(Q, D, rq, rd, q_mask, d_mask, cu_q, cu_d, q, pd[a:b], max_q, max_d, cdt,
                                     zero_mode) for q, a, b in runs]
-                values = torch.cat([v for v, _ in parts])
-                winner = torch.cat([w for _, w in parts])
+                values, winner = (torch.cat(column) for column in zip(*parts))
             scores[ps] = values.sum(-1)
             if argmax is not None:
                 argmax[ps] = winner
