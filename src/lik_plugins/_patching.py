@@ -2,12 +2,7 @@
 
 A host patcher describes *what* it replaces (a table per host version); the ledger
 does the replacing and remembers every original, so ``unpatch_*()`` restores the
-exact objects that were there before (a ``staticmethod`` stays a ``staticmethod``, a
-missing attribute is deleted again, function defaults get their original tuple back).
-
-:func:`instance_slot_property` serves objects built *before* a patch (a loss holding the
-host's scoring function, a model holding its similarity), and :func:`lookalike` makes an
-adapter look like the function it replaces (doctest collection, ``inspect``, pickling).
+exact objects that were there before.
 """
 from __future__ import annotations
 
@@ -30,19 +25,30 @@ def hashable_in(value: Any, table: dict) -> bool:
         return False
 
 
-class PatchLock:
-    """One host patcher's lock, safe against the patcher re-entering itself.
+@dataclass
+class _Change:
+    owner: Any
+    name: str
+    restore: Callable[[], None]
 
-    A patch function imports its host; with ``LIK_PATCH`` or ``*_SCORES_BACKEND=auto|lik``
-    set, that import runs the start-up hook, which calls the same patch function again on
-    the same thread.  A plain lock deadlocks there.  The inner call instead learns it is
-    nested (``hold()`` yields False) and returns: the outer call, which owns the import,
-    finishes the patch.
+
+@dataclass
+class PatchLedger:
+    """One host's patch: every change made, in order, so it can be undone in reverse; the
+    lookalike serving each original; what the patch function returned (``current``).
+
+    Its lock is safe against the patcher re-entering itself.  A patch function imports its
+    host; with ``LIK_PATCH`` or ``*_SCORES_BACKEND=auto|lik`` set, that import runs the
+    start-up hook, which calls the same patch function again on the same thread.  A plain
+    lock deadlocks there.  The inner call instead learns it is nested (``hold()`` yields
+    False) and returns: the outer call, which owns the import, finishes the patch.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._depth = threading.local()
+    changes: list[_Change] = field(default_factory=list)
+    current: Any = None
+    _lookalikes: dict = field(default_factory=dict)
+    _lock: Any = field(default_factory=threading.RLock)
+    _depth: Any = field(default_factory=threading.local)
 
     @contextlib.contextmanager
     def hold(self):
@@ -54,25 +60,13 @@ class PatchLock:
             finally:
                 self._depth.value = depth
 
-    def patch(self, apply: Callable[[], Any], current: Callable[[], Any]) -> Any:
-        """``apply()`` under the lock, its result returned; a nested call (the host's import
-        re-entering the patcher) returns ``current()``, what the outer call has so far."""
+    def patch(self, apply: Callable[[Any], Any]) -> Any:
+        """``current = apply(current)`` under the lock, returned; a nested call (the host's
+        import re-entering the patcher) returns ``current``, what the outer call has so far."""
         with self.hold() as outermost:
-            return apply() if outermost else current()
-
-
-@dataclass
-class _Change:
-    owner: Any
-    name: str
-    restore: Callable[[], None]
-
-
-@dataclass
-class PatchLedger:
-    """Records every change made for one host, in order, so it can be undone in reverse."""
-
-    changes: list[_Change] = field(default_factory=list)
+            if outermost:
+                self.current = apply(self.current)
+            return self.current
 
     @property
     def active(self) -> bool:
@@ -113,12 +107,17 @@ class PatchLedger:
                 if hasattr(function, "__defaults__") and owns(function) and not self.changed(function, "__defaults__"):
                     self.replace_defaults(function, table)
 
-    def serve(self, prefix: str, to_adapter: dict, slots: list, doc: str,
+    def serve(self, prefix: str, adapters: dict, slots: list, doc: str,
               owns: Callable[[Any], bool] = lambda f: True) -> None:
-        """Every capture point of one host: in each module named ``prefix`` or ``prefix.*``,
-        the globals (found by identity: re-exports) and the defaults bound at import time
-        (:meth:`replace_module_defaults`); then the instance ``slots`` (``(class, attribute)``)
-        of objects built before the patch, each becoming an :func:`instance_slot_property`."""
+        """Every capture point of one host, each original of ``adapters`` (``{original:
+        adapter}``) served by a :func:`lookalike` of its adapter -- the same one for the life of
+        the patch (identity matters: the instance slots map it back, and re-applying must find
+        it): in each module named ``prefix`` or ``prefix.*``, the globals (found by identity:
+        re-exports) and the defaults bound at import time (:meth:`replace_module_defaults`);
+        then the instance ``slots`` (``(class, attribute)``) of objects built before the patch,
+        each becoming an :func:`instance_slot_property`."""
+        to_adapter = {o: self._lookalikes.get(o) or lookalike(a, o) for o, a in adapters.items()}
+        self._lookalikes.update(to_adapter)
         to_original = {adapter: original for original, adapter in to_adapter.items()}
         modules = [m for n, m in list(sys.modules.items())
                    if m is not None and (n == prefix or n.startswith(prefix + "."))]
@@ -159,9 +158,12 @@ class PatchLedger:
         self.changes.append(_Change(function, slot, lambda: setattr(function, slot, original)))
 
     def revert(self) -> None:
+        """Undo every change, newest first, and forget the patch (its lookalikes, ``current``)."""
         for change in reversed(self.changes):
             change.restore()
         self.changes.clear()
+        self._lookalikes.clear()
+        self.current = None
 
 
 def instance_slot_property(name: str, to_adapter: dict, to_original: dict, doc: str) -> property:

@@ -11,10 +11,6 @@ target                                                 releases   replaced by
 ``ColbertModule._inbatch_scores``                      0.3.17+    :func:`.heads.inbatch_scores`
 ``utils._lik_backend.maxsim_inbatch_lik`` / ``_kd_lik``  0.3.17+    :func:`maxsim_inbatch_lik` / ``_kd_lik``
 =====================================================  =========  =====================================
-
-Every patched entry reads ``LIK_DISABLE`` and ``COLPALI_SCORES_BACKEND`` on every call:
-``LIK_DISABLE=1`` or ``torch`` run colpali's original code, ``auto`` / ``lik`` run ours,
-any other value raises colpali's ValueError (also on releases older than the variable).
 """
 from __future__ import annotations
 
@@ -26,7 +22,7 @@ import inspect
 import torch
 
 from .. import _install
-from .._patching import PatchLedger, PatchLock
+from .._patching import PatchLedger
 from .._routing import record
 from .._config import disabled
 from . import _scores as sc
@@ -37,9 +33,7 @@ LOSSES = "colpali_engine.loss.late_interaction_losses"
 PROCESSING = "colpali_engine.utils.processing_utils"
 LIK_BACKEND = "colpali_engine.utils._lik_backend"
 
-_ledger = PatchLedger()
-_lock = PatchLock()
-_generation: Generation | None = None
+_ledger = PatchLedger()   # its ``current``: the name of the loss generation patched
 
 
 # --------------------------------------------------------------------------- detection
@@ -201,10 +195,11 @@ def patch_colpali_engine() -> str:
     loaded modules).  Patching twice is harmless; :func:`unpatch_colpali_engine` restores
     every original object exactly (``score_multi_vector`` stays a ``staticmethod``).
 
-    After the call, ``LIK_DISABLE=1`` or ``COLPALI_SCORES_BACKEND=torch`` send every
-    patched entry back to colpali's own code (read at call time), and
-    :func:`lik_plugins.routing_counts` shows which path served each call under the entries
-    ``colpali.score_multi_vector``, ``colpali.<LossClass>``,
+    After the call, every patched entry reads ``LIK_DISABLE`` and ``COLPALI_SCORES_BACKEND``
+    on every call: ``LIK_DISABLE=1`` or ``torch`` run colpali's original code, ``auto`` /
+    ``lik`` run ours, any other value raises colpali's ValueError (also on releases older than
+    the variable).  :func:`lik_plugins.routing_counts` shows which path served each call
+    under the entries ``colpali.score_multi_vector``, ``colpali.<LossClass>``,
     ``colpali.ColbertModule._inbatch_scores``, ``colpali.maxsim_inbatch_lik`` and
     ``colpali.maxsim_kd_lik``.
 
@@ -216,13 +211,12 @@ def patch_colpali_engine() -> str:
         ImportError: colpali-engine is not installed (the message says how to install it) or
             does not import.
     """
-    return _lock.patch(_patch, patched_generation)
+    return _ledger.patch(_patch)
 
 
-def _patch() -> str:
-    global _generation
-    if _ledger.active and _generation is not None:
-        return _generation.name
+def _patch(current: str | None) -> str:
+    if current is not None:
+        return current
     losses, processing = _import_colpali()    # may re-enter patch_colpali_engine (start-up hook)
     gen = detect_generation(losses)
     try:
@@ -246,16 +240,13 @@ def _patch() -> str:
     except BaseException:
         _ledger.revert()
         raise
-    _generation = gen
     return gen.name
 
 
 def unpatch_colpali_engine() -> None:
     """Restore every object :func:`patch_colpali_engine` replaced (no-op when not patched)."""
-    global _generation
-    with _lock.hold():
+    with _ledger.hold():
         _ledger.revert()
-        _generation = None
 
 
 def is_patched() -> bool:
@@ -264,4 +255,4 @@ def is_patched() -> bool:
 
 def patched_generation() -> str | None:
     """The loss generation the active patch was built for, or ``None``."""
-    return None if _generation is None else _generation.name
+    return _ledger.current

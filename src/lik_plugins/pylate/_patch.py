@@ -23,32 +23,21 @@ from __future__ import annotations
 
 import sys
 
-from .._patching import PatchLedger, PatchLock, lookalike
+from .._patching import PatchLedger, lookalike
 from . import _layout as layout_mod
 from . import _plaid_search, _rerank, _scores
 
-_lock = PatchLock()
-_ledger = PatchLedger()
-_current: layout_mod.PyLateLayout | None = None
-#: One lookalike per original for the life of a patch (identity matters: the instance slots
-#: map adapters back to originals, and re-applying must find the same objects).
-_served: dict = {}
+_ledger = PatchLedger()   # its ``current``: the PyLateLayout patched
 #: the adapter of each captured name: the scoring functions, and the whole loops (``_layout.LOOPS``)
 _ADAPTERS = {**_scores.ADAPTERS, "rerank": _rerank.rerank}
 
 
 def _apply(layout: layout_mod.PyLateLayout) -> None:
-    # One lookalike per original, each carrying its original's name, module, docstring and
-    # signature, so PyLate's doctests are still collected and run through the patch.
-    names = (*layout_mod.FUNCTIONS, *(n for n in layout_mod.LOOPS if n in layout.originals))
-    if not _served:
-        for name in names:
-            _served[layout.originals[name]] = lookalike(_ADAPTERS[name], layout.originals[name])
-    to_adapter = {layout.originals[n]: _served[layout.originals[n]] for n in names}
+    adapters = {original: _ADAPTERS[n] for n, original in layout.originals.items() if n in _ADAPTERS}
     # 1.-3. module globals, defaults bound at import time, instance slots of objects built before
     slots = [(cls, attr) for module, class_name, attr in layout_mod.INSTANCE_SLOTS
              if (cls := getattr(sys.modules.get(module), class_name, None)) is not None]
-    _ledger.serve("pylate", to_adapter, slots, "PyLate scorers served by lik_plugins",
+    _ledger.serve("pylate", adapters, slots, "PyLate scorers served by lik_plugins",
                   owns=lambda obj: str(getattr(obj, "__module__", "") or "").startswith("pylate"))
 
     # 4. ColBERTScores: one fused call over all document groups (1.5.0 and newer)
@@ -110,28 +99,24 @@ def patch_pylate() -> layout_mod.PyLateLayout:
         ...  # build the ColBERT model and loss, train as usual
         print(lik_plugins.routing_counts())
     """
-    return _lock.patch(_patch, lambda: _current)
+    return _ledger.patch(_patch)
 
 
-def _patch() -> layout_mod.PyLateLayout:
-    global _current
-    layout = _current if _current is not None else layout_mod.detect()
+def _patch(current: layout_mod.PyLateLayout | None) -> layout_mod.PyLateLayout:
+    layout = current if current is not None else layout_mod.detect()
     for name in layout_mod.MODULES:
         layout_mod.import_optional(name)   # PyLate's imports may re-enter patch_pylate (start-up hook)
     _apply(layout)
-    _current = layout
     _scores.bind(layout, active=True)
     return layout
 
 
 def unpatch_pylate() -> None:
     """Restore every original PyLate object exactly (harmless when not patched)."""
-    global _current
-    with _lock.hold():
+    with _ledger.hold():
+        layout = _ledger.current
         _ledger.revert()
-        _scores.bind(_current, active=False)
-        _current = None
-        _served.clear()
+        _scores.bind(layout, active=False)
 
 
 def is_patched() -> bool:

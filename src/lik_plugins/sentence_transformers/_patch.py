@@ -16,9 +16,7 @@ target                                                     kind                 
                                                            ``similarity_fn_name``)
 =========================================================  ======================  ==========================
 
-Every module global of ``sentence_transformers.*`` that *is* one of the originals is
-replaced (found by identity, so re-exports are covered), and so are function defaults
-holding one.  ``mean_*`` scorers, ``colbert_scores_pairwise``, ``SimilarityFunction``,
+``mean_*`` scorers, ``colbert_scores_pairwise``, ``SimilarityFunction``,
 ``model.similarity`` and the evaluators reach the replaced globals at call time.
 """
 from __future__ import annotations
@@ -27,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .._patching import PatchLedger, PatchLock, lookalike
+from .._patching import PatchLedger
 from . import _scores
 
 SIMILARITY = "sentence_transformers.util.similarity"
@@ -47,9 +45,7 @@ MODULES = (
     "sentence_transformers.multi_vector_encoder.evaluation",
 )
 
-_lock = PatchLock()
-_ledger = PatchLedger()
-_current: "STLayout | None" = None
+_ledger = PatchLedger()   # its ``current``: the STLayout patched
 
 
 @dataclass(frozen=True)
@@ -98,9 +94,6 @@ def _instance_slots() -> list[tuple[type, str]]:
     return slots
 
 
-_served: dict = {}
-
-
 def patch_sentence_transformers() -> STLayout:
     """Serve sentence-transformers 6.x multi-vector (MaxSim) scoring with ``lik_plugins``.
 
@@ -136,35 +129,28 @@ def patch_sentence_transformers() -> STLayout:
         ...  # build the MultiVectorEncoder and its loss, train with MultiVectorEncoderTrainer
         print(lik_plugins.routing_counts())
     """
-    return _lock.patch(_patch, lambda: _current)
+    return _ledger.patch(_patch)
 
 
-def _patch() -> STLayout:
-    global _current
-    layout = _current if _current is not None else detect()   # ST's import may re-enter (start-up hook)
-    if not _served:
-        adapters = {**_scores.SIMILARITY_ADAPTERS, **_scores.SCORING_ADAPTERS}
-        for name, original in layout.originals.items():
-            _served[original] = lookalike(adapters[name], original)
+def _patch(current: STLayout | None) -> STLayout:
+    layout = current if current is not None else detect()   # ST's import may re-enter (start-up hook)
+    adapters = {**_scores.SIMILARITY_ADAPTERS, **_scores.SCORING_ADAPTERS}
     _scores.bind(layout.originals, sys.modules[SIMILARITY], active=True)
     # module globals (re-exports, the losses' imports), defaults bound at definition time (none
     # in 6.0 - 6.2; a later 6.x may add some), and the instances built before the patch:
     # losses' similarity_fct, models' resolved similarity
-    _ledger.serve("sentence_transformers", dict(_served), _instance_slots(),
-                  "sentence-transformers scorers served by lik_plugins")
-    _current = layout
+    _ledger.serve("sentence_transformers", {original: adapters[name] for name, original in layout.originals.items()},
+                  _instance_slots(), "sentence-transformers scorers served by lik_plugins")
     return layout
 
 
 def unpatch_sentence_transformers() -> None:
     """Restore every original sentence-transformers object exactly (harmless when not patched)."""
-    global _current
-    with _lock.hold():
+    with _ledger.hold():
+        layout = _ledger.current
         _ledger.revert()
-        if _current is not None:  # keep the originals bound: a stale adapter then runs ST's code
-            _scores.bind(_current.originals, sys.modules.get(SIMILARITY), active=False)
-        _served.clear()
-        _current = None
+        if layout is not None:  # keep the originals bound: a stale adapter then runs ST's code
+            _scores.bind(layout.originals, sys.modules.get(SIMILARITY), active=False)
 
 
 def is_patched() -> bool:
