@@ -18,6 +18,7 @@ heads derive from ``ColbertModule``; ``neg_4d`` (0.3.13+) means explicit negativ
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -96,9 +97,7 @@ def sigmoid_loss(self, a, gen: Generation):
     pos_mask = -torch.ones(batch_size * batch_size, device=S.device)
     pos_mask[pos_idx * (batch_size + 1)] = 1.0
     flat = S.reshape(-1) / self.temperature
-    if gen.sigmoid_sign > 0:
-        return F.softplus(flat * pos_mask).mean(), path
-    return F.softplus(-flat * pos_mask).mean(), path
+    return F.softplus(gen.sigmoid_sign * flat * pos_mask).mean(), path   # times +1 or -1: exact
 
 
 def _negative_scores(self, a, gen: Generation, pos_rows: str):
@@ -142,12 +141,8 @@ def _negative_ce(self, a, gen: Generation, pos_rows: str, inner: str):
     return loss, path
 
 
-def negative_ce_loss(self, a, gen: Generation):
-    return _negative_ce(self, a, gen, "neg", "inner_loss")
-
-
-def pairwise_negative_ce_loss(self, a, gen: Generation):
-    return _negative_ce(self, a, gen, "query", "inner_pairwise")
+negative_ce_loss = functools.partial(_negative_ce, pos_rows="neg", inner="inner_loss")
+pairwise_negative_ce_loss = functools.partial(_negative_ce, pos_rows="query", inner="inner_pairwise")
 
 
 # --------------------------------------------------------------------------- 0.3.10
