@@ -11,9 +11,6 @@ which has no backend variable of its own.
 :func:`install` does not import the host either: it puts a finder on ``sys.meta_path``
 that waits for the host's top-level module and runs the patch function right after
 that module finishes importing (or at once, if the host is already imported).
-
-One row per host: ``{env var: (host top-level module, adapter module, patch function)}``;
-:data:`NAMES` maps the ``LIK_PATCH`` names onto the same rows.
 """
 from __future__ import annotations
 
@@ -22,6 +19,7 @@ import os
 import sys
 import threading
 
+#: One row per host: ``{env var: (host top-level module, adapter module, patch function)}``.
 HOSTS: dict[str, tuple[str, str, str]] = {
     "PYLATE_SCORES_BACKEND": ("pylate", "lik_plugins.pylate", "patch_pylate"),
     "COLPALI_SCORES_BACKEND": ("colpali_engine", "lik_plugins.colpali", "patch_colpali_engine"),
@@ -92,16 +90,13 @@ class _PatchAfterImport:
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         adapter, function = self.rows.pop(fullname)
-        if not self.rows:
-            self.remove()
+        if not self.rows:  # every watched host seen: off the import path
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:
+                pass
         spec.loader = _LoaderThenPatch(spec.loader, adapter, function)
         return spec
-
-    def remove(self) -> None:
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
 
 
 class _LoaderThenPatch:

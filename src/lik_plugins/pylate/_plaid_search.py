@@ -122,8 +122,7 @@ def make_search(original):
 
 
 _reading = threading.local()
-_mappings: dict = {}
-_mappings_lock = threading.Lock()
+_mappings: dict = {}   # path -> ((mtime, size), mapping); one dict get or set at a time needs no lock
 
 
 def make_call(original):
@@ -150,13 +149,11 @@ def make_loader(original, name: str):
             return original(self)
         stat = os.stat(path)
         key = (stat.st_mtime_ns, stat.st_size)
-        with _mappings_lock:
-            hit = _mappings.get(path)
+        hit = _mappings.get(path)
         if hit is not None and hit[0] == key:
             return hit[1]
         value = original(self)
-        with _mappings_lock:
-            _mappings[path] = (key, value)
+        _mappings[path] = (key, value)
         return value
 
     return load
