@@ -116,8 +116,8 @@ def _lik_slots(backend_module):
         if not sc.eligible(query, doc):
             raise unsupported("lik_plugins serves floating tensors of one dtype, non-empty, with equal dims.")
 
-    def _slot(original, name: str, doc_dim: int, scorer: str):
-        entry = f"colpali.{name}"
+    def _slot(name: str, doc_dim: int, scorer: str):
+        original, entry = getattr(backend_module, name), f"colpali.{name}"
 
         @functools.wraps(original)
         def slot(query, doc):
@@ -131,8 +131,8 @@ def _lik_slots(backend_module):
 
         return slot
 
-    return (_slot(backend_module.maxsim_inbatch_lik, "maxsim_inbatch_lik", 3, "inbatch"),
-            _slot(backend_module.maxsim_kd_lik, "maxsim_kd_lik", 4, "candidates"))
+    return {name: _slot(name, doc_dim, scorer)
+            for name, doc_dim, scorer in (("maxsim_inbatch_lik", 3, "inbatch"), ("maxsim_kd_lik", 4, "candidates"))}
 
 
 def _score_multi_vector_for(processing, original):
@@ -230,9 +230,8 @@ def _patch(current: str | None) -> str:
             module = losses.ColbertModule
             _ledger.set_attr(module, "_inbatch_scores", _inbatch_scores_for(vars(module)["_inbatch_scores"]))
             backend = importlib.import_module(LIK_BACKEND)
-            inbatch_lik, kd_lik = _lik_slots(backend)
-            _ledger.set_attr(backend, "maxsim_inbatch_lik", inbatch_lik)
-            _ledger.set_attr(backend, "maxsim_kd_lik", kd_lik)
+            for name, slot in _lik_slots(backend).items():
+                _ledger.set_attr(backend, name, slot)
         base = processing.BaseVisualRetrieverProcessor
         original = vars(base)["score_multi_vector"]
         original_fn = original.__func__ if isinstance(original, staticmethod) else original
