@@ -90,7 +90,8 @@ def write_archive(todo: list[tuple], entries: dict, arch: str, stage_dir: Path, 
     import triton
     import torch
 
-    file_keys = {kernel_name(kernel): file_key(kernel) for kernel, _, _ in todo}
+    kernels = {kernel_name(kernel): kernel for kernel, _, _ in todo}      # one per kernel, not per variant
+    file_keys = {name: file_key(kernel) for name, kernel in kernels.items()}
     major, minor = ptxas_release()
     manifest = {
         "format": FORMAT, "arch": arch, "workload": workload,
