@@ -271,7 +271,7 @@ ONE_, DIV_, PLAIN_ = (True, False), (False, True), (False, False)
     (_launch(True, ONE_, DIV_, fits=False), None),            # a 64-bit integer: another group
 ])
 def test_a_launch_gets_its_own_binary_else_the_most_specialised_one_valid_for_it(launch, served_by):
-    device = binaries_loader._Device(None, 0, "sm_90", _hand_manifest(), Path("."))
+    device = binaries_loader._Device(None, 0, "sm_90", _hand_manifest(), None)
     want = None if served_by is None else f"key-{served_by}"
     assert device.key_for(launch) == want
     assert device.chosen[launch] == want                  # decided once per variant
@@ -285,7 +285,7 @@ def test_an_integer_passed_as_1_needs_a_binary_that_takes_it_as_a_parameter():
     manifest = _hand_manifest()
     manifest["variants"] = {k: v for k, v in manifest["variants"].items() if k != "key-generic"}
     manifest["variants"].update(_hand_manifest(rows)["variants"])
-    device = binaries_loader._Device(None, 0, "sm_90", manifest, Path("."))
+    device = binaries_loader._Device(None, 0, "sm_90", manifest, None)
     assert device.key_for(_launch(True, DIV_, ONE_)) is None
     assert device.key_for(_launch(True, DIV_, PLAIN_)) == "key-generic"
 

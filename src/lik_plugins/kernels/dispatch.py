@@ -34,6 +34,7 @@ environment, so host adapters can record routing without running anything.
 """
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import NamedTuple
 
@@ -203,6 +204,23 @@ def _metal_implementation() -> Implementation:
     return Implementation(launchers, launchers, torch_ops, torch_ops, torch_ops)
 
 
+class _ImportedOnUse:
+    """A launcher module imported at its first attribute lookup.  Triton reads the source of
+    every ``@triton.jit`` function when its module is imported, so a training step that
+    scores with the hard max does not pay for the smooth max's, the quantised or the
+    residual kernels on its first call."""
+
+    __slots__ = ("_name", "_module")
+
+    def __init__(self, name: str):
+        self._name, self._module = name, None
+
+    def __getattr__(self, attr: str):
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)
+
+
 _IMPLEMENTATIONS: dict = {}
 
 
@@ -213,10 +231,10 @@ def implementation(path: str) -> Implementation:
     if impl is not None:
         return impl
     if path == "triton":
-        from . import triton_ops
-        from .triton import launch, smoothmax
+        from .triton import launch
 
-        impl = Implementation(launch, smoothmax, triton_ops, triton_ops, triton_ops)
+        others = _ImportedOnUse(__package__ + ".triton_ops")
+        impl = Implementation(launch, _ImportedOnUse(__package__ + ".triton.smoothmax"), others, others, others)
     elif path == CHUNKED:
         from . import chunked, torch_ops
 

@@ -116,11 +116,14 @@ def archive_path(arch: str, root: Path | None = None) -> Path:
 
 def read_manifest(arch: str, root: Path | None = None) -> dict:
     """The manifest of ``arch``'s archive, checked for its format."""
-    path = archive_path(arch, root)
-    with zipfile.ZipFile(path) as archive:
-        manifest = json.loads(archive.read(MANIFEST))
+    with zipfile.ZipFile(archive_path(arch, root)) as archive:
+        return _manifest_of(archive)
+
+
+def _manifest_of(archive: zipfile.ZipFile) -> dict:
+    manifest = json.loads(archive.read(MANIFEST))
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, this loader reads {FORMAT}")
+        raise ValueError(f"{archive.filename}: format {manifest.get('format')!r}, this loader reads {FORMAT}")
     return manifest
 
 
@@ -130,19 +133,19 @@ def shipped_manifests(root: Path | None = None) -> dict:
 
 
 class _Device:
-    """The shipped binaries of one device: the manifest of its architecture and the
-    variants loaded so far."""
+    """The shipped binaries of one device: its architecture's archive (opened once: its
+    directory of a few hundred members takes milliseconds to read, on a first call), the
+    manifest and the variants loaded so far."""
 
-    def __init__(self, driver: cuda.Driver, ordinal: int, arch: str, manifest: dict, root: Path):
-        self.driver, self.ordinal, self.arch, self.root = driver, ordinal, arch, root
-        self._archive: zipfile.ZipFile | None = None
+    def __init__(self, driver: cuda.Driver, ordinal: int, arch: str, manifest: dict, archive: zipfile.ZipFile | None):
+        self.driver, self.ordinal, self.arch, self._archive = driver, ordinal, arch, archive
         self._read_lock = threading.Lock()      # one ZipFile, read from the threads that launch
         self.entries = manifest["variants"]
         self.file_keys = manifest["file_keys"]
         self.loaded: dict = {}
         self.chosen: dict = {}             # a launch's variant -> the key of the binary serving it, or None
         self.served: dict = {}             # a launch's variant -> its loaded binary (find's first look)
-        self._groups: dict | None = None   # group -> [(hints, params, key)], most specialised first
+        self._groups: dict = {}            # group -> [(hints, params, key)], most specialised first
 
     def key_for(self, variant: tuple) -> str | None:
         """The manifest key of the binary that serves a launch of ``variant``: its own, else
@@ -156,15 +159,13 @@ class _Device:
         key = variant_key(variant)
         if key in self.entries:
             return key
-        if self._groups is None:
-            groups: dict = {}
-            for other, entry in self.entries.items():
-                groups.setdefault(entry["group"], []).append((entry["hints"], entry["params"], other))
-            for candidates in groups.values():
-                candidates.sort(key=lambda c: (-specialisation(c[0]), c[0]))
-            self._groups = groups
         name, hints = group(variant)
-        for have, params, other in self._groups.get(name, ()):
+        candidates = self._groups.get(name)
+        if candidates is None:      # one group's binaries, not the whole manifest's: a first call's cost
+            candidates = sorted(((entry["hints"], entry["params"], other) for other, entry in self.entries.items()
+                                 if entry["group"] == name), key=lambda c: (-specialisation(c[0]), c[0]))
+            self._groups[name] = candidates
+        for have, params, other in candidates:
             if serves(have, params, hints):
                 return other
         return None
@@ -177,8 +178,6 @@ class _Device:
     def _load(self, entry: dict) -> cuda.ShippedKernel:
         layout = cuda.LaunchLayout(entry["params"])
         with self._read_lock:
-            if self._archive is None:
-                self._archive = zipfile.ZipFile(archive_path(self.arch, self.root))
             image = self._archive.read(entry["file"])
         function = self.driver.load(image, entry["function"], entry["shared"], 32 * entry["num_warps"], self.ordinal)
         declared = self.driver.param_sizes(function)
@@ -200,7 +199,6 @@ def _open_driver():
 
 def _open_device(ordinal: int):
     """The device's :class:`_Device`, or the reason it launches nothing shipped."""
-    root = BINARIES_DIR
     driver = _open_driver()
     if isinstance(driver, str):
         return driver
@@ -209,15 +207,17 @@ def _open_device(ordinal: int):
     except cuda.CudaError as exc:
         return f"device {ordinal}: {exc}"
     arch = f"sm_{major}{minor}"
-    if not archive_path(arch, root).is_file():
+    path = archive_path(arch)
+    if not path.is_file():
         return f"no shipped binaries for {arch}"
     try:
-        manifest = read_manifest(arch, root)
+        archive = zipfile.ZipFile(path)
+        manifest = _manifest_of(archive)
         need = manifest["cuda_driver"]
         have = driver.version()
         if have < need:
             return f"the CUDA driver ({have}) is older than the binaries need ({need})"
-        device = _Device(driver, ordinal, arch, manifest, root)
+        device = _Device(driver, ordinal, arch, manifest, archive)
         if not _self_check(ordinal, _shipped_check_binary(device)):
             return "the shipped self-check kernel wrote other values than it must"
     except Exception as exc:    # a load or launch error of the check: this device stays on the JIT
@@ -227,24 +227,24 @@ def _open_device(ordinal: int):
 
 def _self_check(ordinal: int, binary_for) -> bool:
     """Two launches through the driver of the self-check kernel's binary (``binary_for(args)``)
-    with other lengths, scalars and outputs; results copied to the host and compared there
-    (no other GPU kernel runs).  On a stream of its own: the copies wait for the check's
-    launches, not for the work the caller queued before its first launch (a step's encoder
-    forward)."""
+    with other lengths, scalars and output rows; the results copied to the host in one copy
+    and compared there (no other GPU kernel runs but the outputs' fill).  On a stream of its
+    own: the copy waits for the check's launches, not for the work the caller queued before
+    its first launch (a step's encoder forward)."""
     x_host = torch.arange(100, dtype=torch.float32)
     side = torch.cuda.Stream(ordinal)
     with torch.cuda.stream(side):
         x = x_host.to(f"cuda:{ordinal}")
-        outs = [torch.full((100,), -1.0).to(x.device) for _ in CHECK_CALLS]
+        outs = torch.full((len(CHECK_CALLS), 100), -1.0, device=x.device)
         for out, (n, scale) in zip(outs, CHECK_CALLS):
             args = (x, out, n, scale)
             binary = binary_for(args)
             if binary is None:
                 return False
             binary((2,), side.cuda_stream, args)
-        got = [o.cpu() for o in outs]
-    want = [torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in CHECK_CALLS]
-    return all(torch.equal(o, w) for o, w in zip(got, want))
+        got = outs.cpu()
+    want = torch.stack([torch.where(torch.arange(100) < n, x_host * k, -1.0) for n, k in CHECK_CALLS])
+    return torch.equal(got, want)
 
 
 def _shipped_check_binary(device: _Device):
