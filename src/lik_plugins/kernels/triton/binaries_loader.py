@@ -227,15 +227,16 @@ def _open_device(ordinal: int):
 
 def _self_check(ordinal: int, binary_for) -> bool:
     """Two launches through the driver of the self-check kernel's binary (``binary_for(args)``)
-    with other lengths, scalars and output rows; the results copied to the host in one copy
-    and compared there (no other GPU kernel runs but the outputs' fill).  On a stream of its
-    own: the copy waits for the check's launches, not for the work the caller queued before
-    its first launch (a step's encoder forward)."""
+    with other lengths, scalars and output rows; input and outputs copied to the device in one
+    copy and back in one, compared on the host.  No PyTorch kernel runs (a first use of one
+    loads its module: tens of ms inside a user's first step).  On a stream of its own: the
+    copy back waits for the check's launches, not for the work the caller queued before its
+    first launch (a step's encoder forward)."""
     x_host = torch.arange(100, dtype=torch.float32)
     side = torch.cuda.Stream(ordinal)
     with torch.cuda.stream(side):
-        x = x_host.to(f"cuda:{ordinal}")
-        outs = torch.full((len(CHECK_CALLS), 100), -1.0, device=x.device)
+        rows = torch.cat([x_host[None], torch.full((len(CHECK_CALLS), 100), -1.0)]).to(f"cuda:{ordinal}")
+        x, outs = rows[0], rows[1:]
         for out, (n, scale) in zip(outs, CHECK_CALLS):
             args = (x, out, n, scale)
             binary = binary_for(args)
