@@ -346,6 +346,23 @@ def shipped_check(src: Source):
                       f"of {len(equal)}")
 
 
+def first_call(src: Source):
+    """first_call.py: the first scoring call of each fresh process (forward, backward) and the
+    median of its later calls; profiled processes measured under cProfile, so left out."""
+    import statistics
+
+    for n, r in enumerate(src.data["rows"]):
+        if "error" in r or r.get("profiled"):
+            continue
+        case = f"PyLate Contrastive scoring call, batch 128, fresh process {n + 1}"
+        yield src.row(case, r["impl"], "first_forward_time", r["calls"][0]["forward_ms"], "ms")
+        yield src.row(case, r["impl"], "first_backward_time", r["calls"][0]["backward_ms"], "ms")
+        later = [c["forward_ms"] + c["backward_ms"] for c in r["calls"][1:]]
+        if later:
+            yield src.row(case, r["impl"], "later_forward_backward_time", statistics.median(later), "ms",
+                          f"{len(later)} calls {_g(min(later))}-{_g(max(later))} ms")
+
+
 def _rows0(d) -> dict:
     rows = d.get("rows") if isinstance(d, dict) else None
     return rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
@@ -357,6 +374,7 @@ READERS = (
     (lambda d: "group" in _rows0(d) and "nbits" in _rows0(d), compressed),
     (lambda d: "iqr_ms" in _rows0(d), packed),
     (lambda d: "loop" in _rows0(d), real_loop),
+    (lambda d: "calls" in _rows0(d) and "impl" in _rows0(d), first_call),
     (lambda d: "n_docs" in _rows0(d), latency),
     (lambda d: "call" in _rows0(d), host_overhead),
     (lambda d: "loss" in _rows0(d) and "pylate" in d.get("meta", {}), pylate_e2e),

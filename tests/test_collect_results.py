@@ -82,3 +82,24 @@ def test_the_shipped_binaries_check_is_read_per_mode(tmp_path):
     assert not [k for k in rows if k[0] == "jit-warm"]          # an errored mode measured nothing
     assert rows["shipped", "cases_bitwise_equal_to_jit"]["value"] == "1"
     assert rows["shipped", "cases_bitwise_equal_to_jit"]["spread"] == "of 2"
+
+
+def test_the_first_call_is_read_per_process_without_the_profiled_ones(tmp_path):
+    day = tmp_path / "gpux" / "2026-01-04"
+    day.mkdir(parents=True)
+    calls = [{"forward_ms": 70.0, "backward_ms": 8.0}, {"forward_ms": 2.2, "backward_ms": 2.5},
+             {"forward_ms": 2.0, "backward_ms": 2.4}]
+    (day / "first_call.json").write_text(json.dumps({"meta": {"device": "GPU X", "command": "first_call"}, "rows": [
+        {"impl": "lik_plugins", "calls": calls, "profiled": False},
+        {"impl": "torch", "calls": calls[:1], "profiled": False},
+        {"impl": "torch", "error": "crashed"},
+        {"impl": "lik_plugins", "calls": calls, "profiled": True}]}))
+
+    assert collect_results.main([str(tmp_path)]) == 0
+    rows = [r for r in _read(tmp_path / "gpux.csv") if r["benchmark"] == "first_call"]
+    first = {(r["implementation"], r["metric"]): r for r in rows if "process 1" in r["case"]}
+    assert first["lik_plugins", "first_forward_time"]["value"] == "70.0"
+    assert first["lik_plugins", "later_forward_backward_time"]["value"] == "4.55"
+    assert first["lik_plugins", "later_forward_backward_time"]["spread"] == "2 calls 4.4-4.7 ms"
+    assert {r["implementation"] for r in rows if r["metric"] == "later_forward_backward_time"} == {"lik_plugins"}
+    assert len([r for r in rows if r["metric"] == "first_forward_time"]) == 2   # neither the errored nor the profiled
