@@ -210,19 +210,24 @@ def _open_device(ordinal: int):
     path = archive_path(arch)
     if not path.is_file():
         return f"no shipped binaries for {arch}"
+    archive = None
     try:
         archive = zipfile.ZipFile(path)
         manifest = _manifest_of(archive)
         need = manifest["cuda_driver"]
         have = driver.version()
         if have < need:
-            return f"the CUDA driver ({have}) is older than the binaries need ({need})"
-        device = _Device(driver, ordinal, arch, manifest, archive)
-        if not _self_check(ordinal, _shipped_check_binary(device)):
-            return "the shipped self-check kernel wrote other values than it must"
+            reason = f"the CUDA driver ({have}) is older than the binaries need ({need})"
+        else:
+            device = _Device(driver, ordinal, arch, manifest, archive)
+            if _self_check(ordinal, _shipped_check_binary(device)):
+                return device
+            reason = "the shipped self-check kernel wrote other values than it must"
     except Exception as exc:    # a load or launch error of the check: this device stays on the JIT
-        return f"the shipped self-check failed ({type(exc).__name__}: {exc})"
-    return device
+        reason = f"the shipped self-check failed ({type(exc).__name__}: {exc})"
+    if archive is not None:     # the device serves nothing shipped: its archive is not read again
+        archive.close()
+    return reason
 
 
 def _self_check(ordinal: int, binary_for) -> bool:
