@@ -500,3 +500,33 @@ def test_autotuning_size_classes():
     classes = [tuning.size_class(1 << p) for p in range(8, 24)]
     assert classes == sorted(classes) and classes[0] == 0
     assert all(classes.count(c) == 3 for c in set(classes) - {0, classes[-1]})  # 8x programs a class
+
+
+def test_a_hard_max_step_imports_only_its_own_kernels():
+    """A fresh process's hard-max forward and backward on the Triton path imports neither the
+    smooth-max nor the quantised and residual kernel modules (Triton parses each ``@jit``
+    source at import: milliseconds of a user's first step); a smooth call then imports its
+    module, which replaces its stand-in in the implementation handed out."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, lik_plugins as lik\n"
+        "from lik_plugins.kernels import dispatch\n"
+        "Q = torch.randn(2, 5, 16, requires_grad=True); D = torch.randn(3, 9, 16, requires_grad=True)\n"
+        "lik.maxsim(Q, D).sum().backward()\n"
+        "names = ('lik_plugins.kernels.triton.smoothmax', 'lik_plugins.kernels.triton_ops',\n"
+        "         'lik_plugins.kernels.triton.quantize', 'lik_plugins.kernels.triton.approx')\n"
+        "print('hard', lik.routing_counts(), [n for n in names if n in sys.modules])\n"
+        "lik.smooth_maxsim(Q, D, tau=0.1).sum().backward()\n"
+        "impl = dispatch.serve(Q, 'smooth')\n"
+        "print('smooth', lik.routing_counts()['smooth_maxsim'], impl.smooth is sys.modules[names[0]],\n"
+        "      type(impl.quantized).__name__)\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", LIK_BACKEND="triton")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    hard, smooth = done.stdout.strip().splitlines()[-2:]
+    assert hard == "hard {'maxsim': {'triton': 1}} []"
+    assert smooth == "smooth {'triton': 1} True _ImportedOnUse"

@@ -205,20 +205,22 @@ def _metal_implementation() -> Implementation:
 
 
 class _ImportedOnUse:
-    """A launcher module imported at its first attribute lookup.  Triton reads the source of
-    every ``@triton.jit`` function when its module is imported, so a training step that
-    scores with the hard max does not pay for the smooth max's, the quantised or the
-    residual kernels on its first call."""
+    """A launcher module imported at its first attribute lookup, which then takes this
+    stand-in's place in the implementations handed out (later calls look attributes up on
+    the module itself).  Triton reads the source of every ``@triton.jit`` function when its
+    module is imported, so a training step that scores with the hard max does not pay for
+    the smooth max's, the quantised or the residual kernels on its first call."""
 
-    __slots__ = ("_name", "_module")
+    __slots__ = ("_name",)
 
     def __init__(self, name: str):
-        self._name, self._module = name, None
+        self._name = name
 
     def __getattr__(self, attr: str):
-        if self._module is None:
-            self._module = importlib.import_module(self._name)
-        return getattr(self._module, attr)
+        module = importlib.import_module(self._name)
+        for path, impl in list(_IMPLEMENTATIONS.items()):
+            _IMPLEMENTATIONS[path] = impl._replace(**{f: module for f, v in zip(impl._fields, impl) if v is self})
+        return getattr(module, attr)
 
 
 _IMPLEMENTATIONS: dict = {}
