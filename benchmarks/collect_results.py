@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -349,8 +350,6 @@ def shipped_check(src: Source):
 def first_call(src: Source):
     """first_call.py: the first scoring call of each fresh process (forward, backward) and the
     median of its later calls; profiled processes measured under cProfile, so left out."""
-    import statistics
-
     for n, r in enumerate(src.data["rows"]):
         if "error" in r or r.get("profiled"):
             continue

@@ -100,7 +100,9 @@ def _dump(profiler, path: str) -> None:
 def _spawn(impl: str, profile_to: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="first-call-cache-") as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+        # each cell chooses its path itself: an exported switch must not turn ours into PyLate's
         env.pop("LIK_DISABLE", None)
+        env.pop("PYLATE_SCORES_BACKEND", None)
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--cell", impl,
                                *(["--profile-to", profile_to] if profile_to else [])],
                               env=env, capture_output=True, text=True, timeout=300)
