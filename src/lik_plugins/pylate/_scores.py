@@ -96,6 +96,19 @@ def _call_unpatched(entry: str, original: Callable, args: tuple, backend: str | 
 host_loop = threading.local()
 
 
+def _call_in_host_loop(entry: str, original: Callable, args: tuple, backend: str | None, choice: str,
+                       takes_backend: bool) -> Any:
+    """A scoring call made by PyLate's own ``rerank`` loop, which the patch picked as the
+    faster path (a plain CPU, MPS).  PyLate's code runs it, with the caller's backend -- except
+    that a ``lik`` request (``PYLATE_SCORES_BACKEND=lik``, which names lik_plugins while the
+    patch is in place) means PyLate's torch path here: PyLate's own LIK backend, which its loop
+    would otherwise resolve from the same variable, raises on a CPU."""
+    if choice == "lik" and takes_backend and _layout is not None and _layout.has_backend:
+        record(entry, "original")
+        return original(*args, backend="torch")
+    return _call_unpatched(entry, original, args, backend)
+
+
 def _dispatch(name: str, args: tuple, backend: str | None, prepare: Callable, original=None,
               takes_backend: bool = True) -> Any:
     """One patched entry (counted as ``pylate.<name>``): PyLate's original (``originals[name]``
@@ -104,9 +117,11 @@ def _dispatch(name: str, args: tuple, backend: str | None, prepare: Callable, or
     entry = f"pylate.{name}"
     if original is None:
         original = _layout.originals[name]
-    if getattr(host_loop, "active", False) or not _active or disabled():
+    if not _active or disabled():
         return _call_unpatched(entry, original, args, backend)
     choice = requested_backend(backend)
+    if getattr(host_loop, "active", False):
+        return _call_in_host_loop(entry, original, args, backend, choice, takes_backend)
     if choice in ("torch", "flash"):
         return _call_original(entry, original, args, backend, choice, takes_backend)
     plan = prepare(*args)

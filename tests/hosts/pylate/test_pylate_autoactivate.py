@@ -68,6 +68,39 @@ def test_zero_code_training_is_routed_and_matches():
     assert patched["losses"] == pytest.approx(vanilla["losses"], abs=1e-5)
 
 
+RERANK_ON_CPU = """
+import json, torch
+from pylate import rank
+from lik_plugins import routing_counts
+g = torch.Generator().manual_seed(0)
+unit = torch.nn.functional.normalize
+queries = [unit(torch.randn(n, 16, generator=g), dim=-1) for n in (5, 8)]
+docs = [[unit(torch.randn(n, 16, generator=g), dim=-1) - 0.2 for n in lengths] for lengths in ((3, 9, 1, 6), (7, 2, 4))]
+ids = [[f"q{i}d{j}" for j in range(len(group))] for i, group in enumerate(docs)]
+print(json.dumps({"ranked": rank.rerank(ids, queries, docs), "counts": routing_counts()}))
+"""
+
+
+def test_zero_code_rerank_on_a_plain_cpu_runs_pylates_torch_path():
+    # PYLATE_SCORES_BACKEND=lik without patch_pylate(): on a plain CPU PyLate's own loop serves the
+    # call, and the variable must not send that loop's scoring to PyLate's own LIK backend (which
+    # raises on CPU tensors)
+    pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
+    plain_cpu = {"TRITON_INTERPRET": "0", "LIK_BACKEND": "auto"}
+    patched = _run(RERANK_ON_CPU, PYLATE_SCORES_BACKEND="lik", **plain_cpu)
+    torch_path = _run(RERANK_ON_CPU, PYLATE_SCORES_BACKEND="torch", **plain_cpu)
+    assert torch_path["counts"] == {}
+    assert patched["ranked"] == torch_path["ranked"]
+    assert patched["counts"]["pylate.rerank"] == {"original": 1}
+    assert patched["counts"]["pylate.colbert_scores"] == {"original": 2}
+    # the kill switch keeps PyLate's own meaning of "lik": its LIK backend, and its own error on a CPU
+    environ = {k: v for k, v in os.environ.items() if not k.endswith("_SCORES_BACKEND")}
+    environ.update(plain_cpu, PYLATE_SCORES_BACKEND="lik", LIK_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(TESTS))
+    disabled = subprocess.run([sys.executable, "-c", RERANK_ON_CPU], env=environ, capture_output=True, text=True,
+                              timeout=300)
+    assert disabled.returncode != 0 and "lik" in disabled.stderr.splitlines()[-1].lower()
+
+
 # ------------------------------------------------------- the post-import hook, in process
 
 

@@ -157,7 +157,20 @@ def test_backend_rules_and_fallbacks(patched, monkeypatch):
     # more candidates than ids: PyLate's own code (and its own error) under auto ...
     with pytest.raises(IndexError):
         rank.rerank([ids[0][:1], ids[1]], queries, docs)
-    # ... and a clear refusal under an explicit lik for mixed dtypes
+    # ... and under an explicit lik on a plain CPU PyLate's loop runs its torch path, with that
+    # path's own error for mixed dtypes (not PyLate's LIK backend, which refuses CPU tensors)
+    mixed = [docs[0], [d.double() for d in docs[1]]]
+    monkeypatch.setenv("PYLATE_SCORES_BACKEND", "lik")
+    with pytest.raises(RuntimeError) as raised:
+        rank.rerank(ids, queries, mixed)
+    assert "CUDA or MPS" not in str(raised.value)
+    _same(rank.rerank(ids, queries, docs), want)
+
+
+def test_explicit_lik_refuses_what_the_kernels_cannot_read(kernels, monkeypatch):
+    from pylate import rank
+
+    ids, queries, docs = _corpus(2, nq=2, c=(4, 3))
     mixed = [docs[0], [d.double() for d in docs[1]]]
     monkeypatch.setenv("PYLATE_SCORES_BACKEND", "lik")
     with pytest.raises(RuntimeError, match="backend='lik'"):
