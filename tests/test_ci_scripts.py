@@ -129,7 +129,8 @@ def test_host_suites_flags_an_unlisted_difference_and_any_under_the_kill_switch(
 def test_host_suites_mode_rows_state_the_baseline_and_the_comparison_without_exit_codes():
     runs = _runs()
     row = host_suites.mode_row("pylate", "unpatched", runs, 10.0)
-    assert "4 tests: 2 pass, 1 skipped, 1 fail or error without lik_plugins" in row and "rc=" not in row
+    assert "4 tests: 2 pass, 1 skipped, 1 set aside (they need the Hugging Face Hub" in row and "rc=" not in row
+    assert "fail" not in row.lower()     # the baseline is not a failure of this run
     assert "3 of 4 tests as unpatched" in host_suites.mode_row("pylate", "zero-code", runs, 10.0)
 
 

@@ -25,7 +25,7 @@ import importlib
 
 from ._routing import reset_routing_counts, routing_counts
 
-__version__ = "0.1.0"
+_DISTRIBUTION = "lik_plugins"
 
 # Names read from lik_plugins.ops (one module per family there).
 _OPS = (
@@ -47,7 +47,35 @@ _LAZY = {
 __all__ = ["routing_counts", "reset_routing_counts", *_LAZY]
 
 
+def _version() -> str:
+    """This package's version: in a source tree (a clone, installed editable or not) the one
+    its pyproject.toml declares -- the code that runs is the tree's, and an editable install's
+    metadata keeps the version of the day it was installed; otherwise the installed
+    distribution's metadata; ``0+unknown`` when neither says."""
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if pyproject.is_file():
+        # the [project] table, read by pattern: tomllib is 3.11+ and the package supports 3.10
+        text = pyproject.read_text(encoding="utf-8")
+        project = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+        table = project.group(1) if project else ""
+        name = re.search(r'^name\s*=\s*"([^"]+)"', table, re.M)
+        version = re.search(r'^version\s*=\s*"([^"]+)"', table, re.M)
+        if name and version and name.group(1).replace("-", "_") == _DISTRIBUTION:
+            return version.group(1)
+    try:
+        return metadata.version(_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def __getattr__(name: str):
+    if name == "__version__":       # read on first use: importing the package stays cheap
+        value = globals()["__version__"] = _version()
+        return value
     if name in _LAZY:
         module, attr = _LAZY[name]
         value = getattr(importlib.import_module(module), attr)
@@ -57,4 +85,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | {"__version__"})
