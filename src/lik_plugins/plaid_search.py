@@ -51,8 +51,13 @@ Memory is bounded whatever the batch: queries are taken ``B`` at a time with ``B
 that the centroid scores and the ``[B, N]`` candidate buffers fit :data:`WORKSPACE_BYTES`
 (the index's size, between 32 and 512 MiB).
 
-The index (:func:`load_fast_plaid_index`) is read from fast-plaid's files once per
-(folder, device, ``metadata.json`` modification time) and kept on the device: codes int32
+Queries: fast-plaid 1.4 searches the padded batch as given (a zero token probes cells like
+any other); 1.5 and newer drop each query's trailing zero tokens before searching.  With
+``query_lengths`` a query's tokens past its length are left out of the probe (the only step
+where a zero token counts: it adds 0 to every score), which is the newer releases' search.
+
+The index (:func:`load_fast_plaid_index`) is read from fast-plaid's files, in any release's
+layout, once per (folder, device, modification times) and kept on the device: codes int32
 (fast-plaid holds int64), residuals uint8 as stored, centroids fp16, inverted lists int32.
 """
 from __future__ import annotations
@@ -67,6 +72,7 @@ import numpy as np
 import torch
 
 from . import _routing
+from .fast_plaid._files import chunks, index_files
 from .ops.validate import check_tensor
 from .kernels.dispatch import served_by
 
@@ -94,6 +100,7 @@ class FastPlaidIndex(NamedTuple):
     ivf_offsets: torch.Tensor      # [C + 1] int64
     max_doclen: int
     host_offsets: np.ndarray       # doc_offsets in host memory (subset filtering)
+    layout: str                    # the files it was read from: "shards", "merged" or "mixed"
 
     @property
     def n_docs(self) -> int:
@@ -109,44 +116,52 @@ _cache_lock = threading.Lock()
 
 
 def _read_index(path: str, device: torch.device) -> FastPlaidIndex:
-    with open(os.path.join(path, "metadata.json")) as fh:
-        meta = json.load(fh)
+    files = index_files(path)
     load = lambda name: np.load(os.path.join(path, name))  # noqa: E731
-    lengths, codes, residuals = [], [], []
-    for chunk in range(int(meta["num_chunks"])):
-        with open(os.path.join(path, f"doclens.{chunk}.json")) as fh:
-            chunk_lengths = json.load(fh)
-        n = int(sum(chunk_lengths))
-        lengths.extend(chunk_lengths)
-        # chunk by chunk to the device: one host copy of a chunk at a time, never the index
-        codes.append(torch.from_numpy(load(f"{chunk}.codes.npy")[:n].astype(np.int32)).to(device))
-        residuals.append(torch.from_numpy(np.ascontiguousarray(load(f"{chunk}.residuals.npy")[:n])).to(device))
-    offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    centroids = load("centroids.npy")
+    nbits = int(files.meta["nbits"])
+    codes, residuals = [], []
+    # chunk by chunk to the device: one host copy of a chunk at a time, never the index
+    for chunk_codes, chunk_residuals in chunks(files, centroids.shape[1] * nbits // 8):
+        codes.append(torch.from_numpy(chunk_codes.astype(np.int32)).to(device))
+        residuals.append(torch.from_numpy(np.array(chunk_residuals)).to(device))     # a writable copy
+    offsets = np.concatenate(([0], np.cumsum(files.lengths, dtype=np.int64)))
     if offsets[-1] >= 2**31:
         raise ValueError(f"{path}: {offsets[-1]} tokens; at most 2**31 - 1 are supported")
     ivf_offsets = np.concatenate(([0], np.cumsum(load("ivf_lengths.npy"), dtype=np.int64)))
     return FastPlaidIndex(
-        centroids=torch.from_numpy(load("centroids.npy")).to(device, torch.float16).contiguous(),
+        centroids=torch.from_numpy(centroids).to(device, torch.float16).contiguous(),
         bucket_weights=torch.from_numpy(load("bucket_weights.npy")).to(device, torch.float32),
-        nbits=int(meta["nbits"]),
+        nbits=nbits,
         codes=torch.cat(codes) if codes else torch.zeros(0, dtype=torch.int32, device=device),
         residuals=torch.cat(residuals) if residuals else torch.zeros(0, 0, dtype=torch.uint8, device=device),
         doc_offsets=torch.from_numpy(offsets.astype(np.int32)).to(device),
         ivf=torch.from_numpy(load("ivf.npy").astype(np.int32)).to(device),
         ivf_offsets=torch.from_numpy(ivf_offsets).to(device),
-        max_doclen=int(max(lengths, default=0)),
+        max_doclen=int(max(files.lengths, default=0)),
         host_offsets=offsets,
+        layout=files.layout,
     )
 
 
-def load_fast_plaid_index(path: str, device: str | torch.device) -> FastPlaidIndex:
-    """The fast-plaid index in folder ``path`` (``metadata.json``, ``centroids.npy``,
-    ``bucket_weights.npy``, ``ivf.npy``, ``ivf_lengths.npy``, ``doclens.<i>.json``,
-    ``<i>.codes.npy``, ``<i>.residuals.npy``) on ``device``.
+def _stamp(path: str) -> tuple:
+    """What changes whenever fast-plaid rewrites the index: ``metadata.json`` (every create /
+    update / delete) and 1.7's merge manifests (a merge of staged chunks)."""
+    names = ("metadata.json", "merged_codes.manifest.json", "merged_residuals.manifest.json")
+    return tuple(os.stat(p).st_mtime_ns if os.path.exists(p) else None for p in (os.path.join(path, n) for n in names))
 
-    Read once per (folder, device, modification time of ``metadata.json``, which fast-plaid
-    rewrites on every create / update / delete); later calls return the cached tensors.  The
-    bytes it holds are logged (``FastPlaidIndex.nbytes``).
+
+def load_fast_plaid_index(path: str, device: str | torch.device) -> FastPlaidIndex:
+    """The fast-plaid index in folder ``path`` on ``device``, in whichever layout a fast-plaid
+    release wrote it (1.4's per-chunk files, 1.7's single merged copy with its manifest, or
+    1.7's staged chunks beside it: :mod:`lik_plugins.fast_plaid._files`).
+
+    Read once per (folder, device, modification times of ``metadata.json``, which fast-plaid
+    rewrites on every create / update / delete, and of 1.7's merge manifests); later calls
+    return the cached tensors.  The bytes it holds are logged (``FastPlaidIndex.nbytes``).
+
+    Raises:
+        lik_plugins.fast_plaid.UnknownIndexLayout: the files are in no layout it reads.
 
     Example::
 
@@ -154,16 +169,16 @@ def load_fast_plaid_index(path: str, device: str | torch.device) -> FastPlaidInd
     """
     device = torch.device(device)
     key = (os.path.realpath(path), str(device))
-    mtime = os.stat(os.path.join(path, "metadata.json")).st_mtime_ns
+    stamp = _stamp(path)
     with _cache_lock:
         hit = _cache.get(key)
-        if hit is not None and hit[0] == mtime:
+        if hit is not None and hit[0] == stamp:
             return hit[1]
         _cache.pop(key, None)                     # an outdated copy goes before the new one loads
         index = _read_index(path, device)
-        _cache[key] = (mtime, index)
-    logger.info("lik_plugins: fast-plaid index %s on %s: %d documents, %d tokens, %.1f MiB", path, device,
-                index.n_docs, index.codes.shape[0], index.nbytes / 2**20)
+        _cache[key] = (stamp, index)
+    logger.info("lik_plugins: fast-plaid index %s (%s layout) on %s: %d documents, %d tokens, %.1f MiB", path,
+                index.layout, device, index.n_docs, index.codes.shape[0], index.nbytes / 2**20)
     return index
 
 
@@ -211,7 +226,7 @@ def _keep_best(approx: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.T
 
 
 def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, out_k: int, n_ivf_probe: int, n_rerank: int,
-                  subset: list | None):
+                  subset: list | None, lengths: torch.Tensor | None):
     from .kernels.triton import operands, plaid_probe
 
     nq, lq, _ = Q.shape
@@ -225,8 +240,13 @@ def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, out_k: int, n_ivf_prob
     if subset is not None:
         allowed, usable = _subset_masks(index, subset, Q.device)
         probed = S.masked_fill(~usable[:, :, None], float("-inf"))
-    cells = probed.topk(n_probe, dim=1).indices.reshape(nq, n_probe * lq)
+    cells = probed.topk(n_probe, dim=1).indices                                    # [B, n_probe, Lq]
     del probed
+    if lengths is not None:
+        # a token past its query's length probes nothing: it repeats the first token's cells
+        past = torch.arange(lq, device=Q.device)[None, None, :] >= lengths[:, None, None]
+        cells = torch.where(past, cells[:, :, :1], cells)
+    cells = cells.reshape(nq, n_probe * lq)
     mask = plaid_probe.mark_candidates(cells, index.ivf, index.ivf_offsets, n_docs)
     if allowed is not None:
         mask &= allowed
@@ -257,8 +277,9 @@ def _search_batch(index: FastPlaidIndex, Q: torch.Tensor, out_k: int, n_ivf_prob
 
 
 def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_probe: int = 8,
-                 n_full_scores: int = 4096, subset: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PLAID search of ``Q`` against a fast-plaid index, as fast-plaid 1.4.6 searches it.
+                 n_full_scores: int = 4096, subset: list | None = None,
+                 query_lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PLAID search of ``Q`` against a fast-plaid index, as fast-plaid (1.4.6 - 1.7) searches it.
 
     Args:
         index: from :func:`load_fast_plaid_index` (on the device that computes).
@@ -271,6 +292,9 @@ def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_p
             (at least one) is scored exactly, as fast-plaid does.
         subset: per query, the document ids it may return (a list of ``Nq`` lists), or
             None; as fast-plaid, the probe then picks among the centroids those documents use.
+        query_lengths: per query, its tokens (1 to ``Lq``), or None: every token of ``Q``.
+            Tokens past a query's length must be zero; they probe no cell (fast-plaid 1.5
+            and newer drop them).
 
     Returns:
         ``(scores, ids)``, ``[Nq, min(k, n)]`` fp32 and int64 on the index's device, best
@@ -307,6 +331,12 @@ def plaid_search(index: FastPlaidIndex, Q: torch.Tensor, k: int = 10, *, n_ivf_p
     step = _batch_size(index, lq, n_rerank)
     if subset is not None and len(subset) != nq:
         raise ValueError(f"subset must hold one list per query ({nq}), got {len(subset)}")
+    lengths = None
+    if query_lengths is not None:
+        if len(query_lengths) != nq or not all(isinstance(n, int) and 1 <= n <= lq for n in query_lengths):
+            raise ValueError(f"query_lengths must hold {nq} ints between 1 and {lq}")
+        lengths = torch.tensor(query_lengths, device=device)
     parts = [_search_batch(index, Q[i:i + step], out_k, n_ivf_probe, n_rerank,
-                           None if subset is None else subset[i:i + step]) for i in range(0, nq, step)]
+                           None if subset is None else subset[i:i + step],
+                           None if lengths is None else lengths[i:i + step]) for i in range(0, nq, step)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

@@ -10,6 +10,7 @@ target                                                 releases   replaced by
 ``late_interaction_losses.<Head>.forward`` (5 heads)   all        a forward from :mod:`.heads`
 ``ColbertModule._inbatch_scores``                      0.3.17+    :func:`.heads.inbatch_scores`
 ``utils._lik_backend.maxsim_inbatch_lik`` / ``_kd_lik``  0.3.17+    :func:`maxsim_inbatch_lik` / ``_kd_lik``
+fast-plaid's ``FastPlaid.search`` (``get_topk_plaid``)  0.3.18     :mod:`lik_plugins.fast_plaid` (held)
 =====================================================  =========  =====================================
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from .. import _install
 from .._patching import PatchLedger
+from ..fast_plaid import _patch as fast_plaid
 from .._routing import record
 from .._config import disabled
 from . import _scores as sc
@@ -201,7 +203,9 @@ def patch_colpali_engine() -> str:
     the variable).  :func:`lik_plugins.routing_counts` shows which path served each call
     under the entries ``colpali.score_multi_vector``, ``colpali.<LossClass>``,
     ``colpali.ColbertModule._inbatch_scores``, ``colpali.maxsim_inbatch_lik`` and
-    ``colpali.maxsim_kd_lik``.
+    ``colpali.maxsim_kd_lik``; ``get_topk_plaid``'s searches (fast-plaid installed) under
+    ``fast_plaid.search`` (:func:`lik_plugins.fast_plaid.patch_fast_plaid`, held while
+    colpali-engine is patched).
 
     Returns:
         The detected loss generation: ``"0.3.10"``, ``"0.3.11-0.3.12"``, ``"0.3.13"``,
@@ -236,6 +240,7 @@ def _patch(current: str | None) -> str:
         original = vars(base)["score_multi_vector"]
         original_fn = original.__func__ if isinstance(original, staticmethod) else original
         _ledger.set_attr(base, "score_multi_vector", staticmethod(_score_multi_vector_for(processing, original_fn)))
+        fast_plaid.hold("colpali")       # get_topk_plaid searches through fast-plaid (where installed)
     except BaseException:
         _ledger.revert()
         raise
@@ -246,6 +251,7 @@ def unpatch_colpali_engine() -> None:
     """Restore every object :func:`patch_colpali_engine` replaced (no-op when not patched)."""
     with _ledger.hold():
         _ledger.revert()
+        fast_plaid.let_go("colpali")
 
 
 def is_patched() -> bool:

@@ -17,13 +17,16 @@ Plus ``ColBERTScores.__call__`` (1.5.0 and newer): one fused call over all docum
 groups instead of PyLate's loop; and ``rank.rerank`` (every release, wherever it was
 imported, the retrievers included): one packed launch over every query's candidates
 (``_layout.LOOPS``, :mod:`._rerank`); and fast-plaid's ``FastPlaid.search``, which PyLate's
-``indexes.PLAID`` calls (``_layout.PLAID_SEARCH``, :mod:`._plaid_search`).
+``indexes.PLAID`` calls: fast-plaid's own patch (:mod:`lik_plugins.fast_plaid`, a host of its
+own that colpali-engine's patch holds too), held while PyLate is patched, plus PyLate's id
+mappings read once (:mod:`._plaid_search`).
 """
 from __future__ import annotations
 
 import sys
 
 from .._patching import PatchLedger, lookalike
+from ..fast_plaid import _patch as fast_plaid
 from . import _layout as layout_mod
 from . import _plaid_search, _rerank, _scores
 
@@ -44,10 +47,9 @@ def _apply(layout: layout_mod.PyLateLayout) -> None:
     if layout.colbert_scores_class is not None:
         _serve_method(layout.colbert_scores_class, "__call__", lambda _: _scores.colbert_scores_call)
 
-    # 5. PLAID search: fast-plaid's FastPlaid.search, where PyLate's indexes.PLAID hands it over
-    module_name, class_name, method = layout_mod.PLAID_SEARCH
-    _serve_method(getattr(layout_mod.import_optional(module_name), class_name, None), method,
-                  _plaid_search.make_search)
+    # 5. PLAID search: fast-plaid's FastPlaid.search, which PyLate's indexes.PLAID calls --
+    # fast-plaid's own patch (lik_plugins.fast_plaid), held for PyLate; and PyLate's id mappings
+    fast_plaid.hold("pylate")
     module_name, class_name, call, loaders = layout_mod.PLAID_MAPPINGS
     cls = getattr(layout_mod.import_optional(module_name), class_name, None)
     if _serve_method(cls, call, _plaid_search.make_call):
@@ -85,9 +87,9 @@ def patch_pylate() -> layout_mod.PyLateLayout:
     :func:`lik_plugins.routing_counts` shows which path served each call, under the
     entries ``pylate.colbert_scores``, ``pylate.colbert_kd_scores``,
     ``pylate.colbert_scores_pairwise``, ``pylate.ColBERTScores`` and ``pylate.rerank``;
-    ``indexes.PLAID`` searches (fast-plaid installed) under ``pylate.PLAID.search``: a batch
+    ``indexes.PLAID`` searches (fast-plaid installed) under ``fast_plaid.search``: a batch
     of queries at a time on the GPU (:mod:`lik_plugins.plaid_search`), fast-plaid's own
-    search for CPU indexes.
+    search for CPU indexes (:func:`lik_plugins.fast_plaid.patch_fast_plaid`).
 
     Returns:
         The detected :class:`PyLateLayout` (``version``, ``group``, originals).
@@ -117,6 +119,7 @@ def unpatch_pylate() -> None:
         layout = _ledger.current
         _ledger.revert()
         _scores.bind(layout, active=False)
+        fast_plaid.let_go("pylate")
 
 
 def is_patched() -> bool:

@@ -206,7 +206,7 @@ def test_pylate_plaid_patched(pylate_plaid, monkeypatch):
     # a CPU index: fast-plaid serves, same results
     reset_routing_counts()
     assert retriever.retrieve(queries_embeddings=queries, k=5) == theirs
-    assert routing_counts()["pylate.PLAID.search"] == {"original": 1}
+    assert routing_counts()["fast_plaid.search"] == {"original": 1}
 
     # PyLate's id mappings: unpickled once while unchanged, inside retrieval only
     import pylate.indexes.fast_plaid as pylate_fast_plaid
@@ -226,7 +226,7 @@ def test_pylate_plaid_patched(pylate_plaid, monkeypatch):
     calls = fast_plaid.searches
     reset_routing_counts()
     ours = retriever.retrieve(queries_embeddings=queries, k=5)
-    assert routing_counts()["pylate.PLAID.search"] == {"triton": 1}
+    assert routing_counts()["fast_plaid.search"] == {"triton": 1}
     assert fast_plaid.searches == calls and all(v is None for v in fast_plaid.indices.values())
     assert [[r["id"] for r in q] for q in ours] and all(isinstance(r["score"], float) for q in ours for r in q)
     oracle = [[(int(r["id"][1:]), r["score"]) for r in q] for q in theirs]
@@ -240,7 +240,7 @@ def test_pylate_plaid_patched(pylate_plaid, monkeypatch):
     monkeypatch.setenv("LIK_DISABLE", "1")
     reset_routing_counts()
     assert retriever.retrieve(queries_embeddings=queries, k=5) == theirs
-    assert routing_counts()["pylate.PLAID.search"] == {"original": 1}
+    assert routing_counts()["fast_plaid.search"] == {"original": 1}
 
     unpatch_pylate()
     assert type(fast_plaid).search is original
