@@ -62,6 +62,8 @@ def maxsim(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
         mask_mode: ``"exclude"`` — a masked document token cannot win; a query token with
             no valid document token contributes 0.  ``"zero"`` — PyLate's multiplicative
             mask: a masked document token's similarity is 0 and competes for the max.
+            Either way a document with no valid token scores 0.0, without a warning, as in
+            PyLate and colpali-engine.
 
     Returns:
         float32 scores (float64 for float64 inputs).  fp16/bf16/fp32 inputs accumulate in
@@ -154,8 +156,12 @@ def retrieve(Q: torch.Tensor, D: torch.Tensor, top_k: int, q_mask: torch.Tensor 
     """Top-``k`` documents per query: ``Q [Nq, Lq, d]``, ``D [Nd, Ld, d]`` ->
     ``(scores [Nq, k], indices [Nq, k])``, best first.
 
-    ``top_k`` is clamped to ``Nd``.  ``chunk`` scores the corpus ``chunk`` documents at a
-    time and keeps a running top-k, so memory stays ``O(Nq * (k + chunk))`` for any corpus
+    ``top_k`` above ``Nd`` gives ``Nd`` columns, without a warning -- the hosts' own top-k
+    (PyLate's, sentence-transformers') clamp the same way, silently; ``top_k=0`` gives empty
+    ``[Nq, 0]`` results.  A document with no valid token (``d_mask`` all zero) scores 0.0, in
+    either ``mask_mode``, and competes for the top-k like any other (PyLate's and
+    colpali-engine's convention; patched sentence-transformers keeps ST's ``-1e9`` and its
+    warning).  ``chunk`` scores the corpus ``chunk`` documents at a time and keeps a running top-k, so memory stays ``O(Nq * (k + chunk))`` for any corpus
     size.  No gradient is computed.  ``D`` may be an fp8 or int8 index
     (:class:`lik_plugins.Fp8Tokens` from :func:`lik_plugins.quantize_fp8`,
     :class:`lik_plugins.Int8Tokens` from :func:`lik_plugins.quantize_int8`): then every chunk
