@@ -1,6 +1,6 @@
 """``patch_sentence_transformers()`` / ``unpatch_sentence_transformers()`` for 6.x.
 
-Capture points (read from the 6.0.0 - 6.2.0 wheels; the chunk scorers are byte-identical
+Capture points (read from the 6.0.0 - 6.3.0 wheels; the chunk scorers are byte-identical
 across them, the loops differ only in how they chunk):
 
 =========================================================  ======================  ==========================
@@ -14,7 +14,16 @@ target                                                     kind                 
 ``<loss>.similarity_fct`` of losses built before           instance                class-level slot property
 ``MultiVectorEncoder._similarity(_pairwise)``               instance (resolved by   class-level slot property
                                                            ``similarity_fn_name``)
+6.3: ``scoring.colbert._colbert_scores`` /                  globals (the losses'    one call of the model's
+``_colbert_kd_scores`` (``partial(_colbert_scores,          default path)           scorer over the folded
+model.similarity)``)                                                               document groups
+6.3: ``_MaxSimScorer.__call__`` / ``pairwise`` /            class methods (models   ``_model_scorer``: the
+``_score_documents`` / ``_score_pairs``                     with ``use_kernels`` /  precedence over ST's
+                                                           ``kernel_config``)      kernel layers
 =========================================================  ======================  ==========================
+
+6.3 also ships ST's own plug-in point for our kernels: :func:`kernel_config` (``_kernel_config``)
+maps ``STMaxSim`` / ``STMaxSimPairwise`` to the layer repository inside this package.
 
 ``mean_*`` scorers, ``colbert_scores_pairwise``, ``SimilarityFunction``,
 ``model.similarity`` and the evaluators reach the replaced globals at call time.
@@ -26,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .._patching import PatchLedger
-from . import _scores
+from . import _model_scorer, _scores
 
 SIMILARITY = "sentence_transformers.util.similarity"
 COLBERT = "sentence_transformers.multi_vector_encoder.scoring.colbert"
@@ -76,7 +85,8 @@ def detect() -> STLayout:
         importlib.import_module(name)
     similarity, colbert = sys.modules[SIMILARITY], sys.modules[COLBERT]
     originals = {name: getattr(similarity, name) for name in _scores.SIMILARITY_ADAPTERS}
-    originals.update({name: getattr(colbert, name) for name in _scores.SCORING_ADAPTERS})
+    # 6.3's private helpers (``_colbert_scores``, ``_colbert_kd_scores``) are absent before it
+    originals.update({name: getattr(colbert, name) for name in _scores.SCORING_ADAPTERS if hasattr(colbert, name)})
     return STLayout(version=version, originals=originals)
 
 
@@ -108,6 +118,14 @@ def patch_sentence_transformers() -> STLayout:
     sentinel score, float32 output on the documents' device, masks derived from all-zero
     rows, ``length_normalize``.  ``chunk_elements`` is accepted; pre-padded inputs are scored
     in one launch.  XTR scoring stays on ST's path (a global top-k, not MaxSim).
+
+    6.3: the losses' default path (``partial(_colbert_scores, model.similarity)``, one scorer
+    call per document column in ST) becomes one call over the folded columns; the multi-vector
+    Matryoshka and token-pooling losses score through the loss they wrap.  A model built with
+    ``use_kernels=True`` or a ``kernel_config`` follows the precedence of
+    ``lik_plugins.sentence_transformers._model_scorer``: a target mapped explicitly to another
+    layer repository is served by that layer (counted as
+    ``sentence_transformers.kernel_layer.<target>``), everything else by the patch.
 
     ``LIK_DISABLE=1`` sends every call to ST's original code.  Calling it again is harmless
     (it also covers ST modules imported since).  :func:`lik_plugins.routing_counts` shows the
@@ -141,6 +159,8 @@ def _patch(current: STLayout | None) -> STLayout:
     # losses' similarity_fct, models' resolved similarity
     _ledger.serve("sentence_transformers", {original: adapters[name] for name, original in layout.originals.items()},
                   _instance_slots(), "sentence-transformers scorers served by lik_plugins")
+    # 6.3's model scorer (use_kernels / kernel_config): the precedence of _model_scorer
+    _model_scorer.serve(_ledger, sys.modules[COLBERT])
     return layout
 
 

@@ -108,37 +108,56 @@ def _servable_chunk(a, b, a_mask, b_mask, pairs: bool) -> bool:
     return _binary_query_mask(a_mask)
 
 
-def _finish(scores: torch.Tensor, a_mask, b_mask) -> torch.Tensor:
+def _finish(scores: torch.Tensor, a_mask, b_mask, similarity: Any) -> torch.Tensor:
     """ST's output dtype (float32 times the query mask's dtype) and its empty-document sentinel."""
     if a_mask is not None:
         scores = scores.to(torch.promote_types(torch.float32, a_mask.dtype))
     if b_mask is not None:
-        scores = _similarity_module._fill_empty_document_scores(scores, ~b_mask.bool().any(dim=-1))
+        scores = similarity._fill_empty_document_scores(scores, ~b_mask.bool().any(dim=-1))
     return scores
 
 
-def _score_chunk(a, b, a_mask, b_mask, pairs: bool):
-    """One of ST's chunk scorers as one fused call, or ST's own where ours does not serve."""
+def _host_chunk_scorer(name: str) -> Callable:
+    """ST's own chunk scorer ``name``: the one the patcher recorded, else (no patch: a kernel
+    layer of ours called by ST) the one ST's module holds, which is then its own."""
+    if name in _originals:
+        return _originals[name]
+    return getattr(_host_similarity(), name)
+
+
+def _host_similarity() -> Any:
+    if _similarity_module is not None:
+        return _similarity_module
+    from sentence_transformers.util import similarity
+
+    return similarity
+
+
+def score_chunk(a, b, a_mask, b_mask, pairs: bool, serve: bool):
+    """One of ST's chunk scorers as one fused call where ``serve`` and the inputs allow, else
+    ST's own; counted under ``sentence_transformers.maxsim(_pairwise)`` either way.  The
+    patch's adapters pass ``serve`` = patched and not disabled, our kernel layers (which ST
+    calls without the patch) pass ``serve`` = not disabled."""
     entry, original = (("sentence_transformers.maxsim_pairwise", "_maxsim_score_pairs") if pairs
                        else ("sentence_transformers.maxsim", "_maxsim_score_documents"))
-    if not (_serving() and _servable_chunk(a, b, a_mask, b_mask, pairs=pairs)):
+    if not (serve and _servable_chunk(a, b, a_mask, b_mask, pairs=pairs)):
         record(entry, "original")
-        return _originals[original](a, b, a_mask, b_mask)
+        return _host_chunk_scorer(original)(a, b, a_mask, b_mask)
     from .. import ops
 
     record(entry, ops.served_by(a))
     op = ops.maxsim_pairs if pairs else ops.maxsim
-    return _finish(op(a, b, a_mask, b_mask, mask_mode="exclude").float(), a_mask, b_mask)
+    return _finish(op(a, b, a_mask, b_mask, mask_mode="exclude").float(), a_mask, b_mask, _host_similarity())
 
 
 def score_documents(a, b, a_mask, b_mask):
     """``_maxsim_score_documents`` as one fused call: ``(Na, Lq, H)`` x ``(Nb, Ld, H)`` -> ``(Na, Nb)``."""
-    return _score_chunk(a, b, a_mask, b_mask, pairs=False)
+    return score_chunk(a, b, a_mask, b_mask, pairs=False, serve=_serving())
 
 
 def score_pairs(a, b, a_mask, b_mask):
     """``_maxsim_score_pairs`` as one fused call: ``(B, Lq, H)`` x ``(B, Ld, H)`` -> ``(B,)``."""
-    return _score_chunk(a, b, a_mask, b_mask, pairs=True)
+    return score_chunk(a, b, a_mask, b_mask, pairs=True, serve=_serving())
 
 
 # ------------------------------------------------------------------------ the chunk loops
@@ -237,10 +256,44 @@ maxsim_pairwise = _loop("maxsim_pairwise")
 # ------------------------------------------------------------------------ group folding
 
 
-def _fold(name: str, pairwise: bool) -> Callable:
+def _per_document_scorer(scorer: Any, pairwise: bool) -> bool:
+    """Whether ``scorer`` (what 6.3's ``_colbert_scores`` / ``_colbert_kd_scores`` receive) scores
+    every document from its own tokens and mask alone -- ST's MaxSim scorers: ``maxsim`` /
+    ``mean_maxsim`` (``_pairwise``), a model's ``similarity`` (``similarity_pairwise``) resolving
+    to one of them or to the model's MaxSim scorer.  Only then is one call over the folded
+    groups the same as ST's loop over them; anything else keeps ST's loop."""
+    import sys
+
+    names = ("maxsim_pairwise", "mean_maxsim_pairwise") if pairwise else ("maxsim", "mean_maxsim")
+    similarity = _host_similarity()
+    known = {inspect.unwrap(getattr(similarity, name)) for name in names if hasattr(similarity, name)}
+    owner = getattr(scorer, "__self__", None)
+    model_module = sys.modules.get("sentence_transformers.multi_vector_encoder.model")
+    encoder = getattr(model_module, "MultiVectorEncoder", None)
+    if encoder is not None and isinstance(owner, encoder):
+        method = "similarity_pairwise" if pairwise else "similarity"
+        if getattr(scorer, "__func__", None) is not getattr(encoder, method, None):
+            return False   # a subclass's own similarity: its business
+        getattr(owner, "similarity_fn_name", None)   # resolves _similarity on first use, as similarity() does
+        scorer = getattr(owner, "_similarity_pairwise" if pairwise else "_similarity", None)
+        owner = getattr(scorer, "__self__", None)
+    colbert = sys.modules.get("sentence_transformers.multi_vector_encoder.scoring.colbert")
+    model_scorer = getattr(colbert, "_MaxSimScorer", None)
+    if model_scorer is not None and isinstance(owner if pairwise else scorer, model_scorer):
+        return not pairwise or getattr(scorer, "__name__", None) == "pairwise"
+    try:
+        return inspect.unwrap(scorer) in known
+    except (TypeError, ValueError):  # unhashable or a __wrapped__ cycle: not one of ST's
+        return False
+
+
+def _fold(name: str, pairwise: bool, scorer_param: str | None = None) -> Callable:
     """``colbert_scores`` (``pairwise=False``) / ``colbert_kd_scores`` (``pairwise=True``)
-    as one ``maxsim`` / ``maxsim_pairwise`` call over the ``Qd * N`` folded documents."""
-    entry = f"sentence_transformers.{name}"
+    as one ``maxsim`` / ``maxsim_pairwise`` call over the ``Qd * N`` folded documents; with
+    ``scorer_param`` (6.3's ``_colbert_scores(score_documents, ...)`` and
+    ``_colbert_kd_scores(score_pairs, ...)``, the losses' default path through the model's
+    similarity) one call of that scorer, when it is one of ST's per-document MaxSim scorers."""
+    entry = f"sentence_transformers.{name.lstrip('_')}"
 
     def run(*args, **kwargs):
         Q = None
@@ -249,11 +302,17 @@ def _fold(name: str, pairwise: bool) -> Callable:
                 bound = _signatures[name].bind(*args, **kwargs)
                 bound.apply_defaults()
                 params = dict(bound.arguments)
+                score = params.pop(scorer_param) if scorer_param else None
                 convert = _similarity_module._convert_to_tensor
                 Q = convert(params.pop("queries_embeddings"))
                 D = convert(params.pop("documents_embeddings"))
                 q_mask, d_mask = (None if m is None else convert(m)
                                   for m in (params.pop("queries_mask", None), params.pop("documents_mask", None)))
+                if scorer_param:
+                    if not _per_document_scorer(score, pairwise):
+                        Q = None
+                    elif params.get("length_normalize") is None:
+                        params.pop("length_normalize", None)   # ST's helpers pass it only when set
             except Exception:  # noqa: BLE001 -- a bad call or input: ST raises its own error below
                 Q = None
         if (
@@ -266,20 +325,22 @@ def _fold(name: str, pairwise: bool) -> Callable:
         groups, n, length, dim = D.shape
         folded = D.reshape(groups * n, length, dim)
         folded_mask = None if d_mask is None else d_mask.reshape(groups * n, length)
-        module = _similarity_module
+        if score is None:
+            score = _similarity_module.maxsim_pairwise if pairwise else _similarity_module.maxsim
         if pairwise:  # pair every query with each of its own N candidates
             Q = Q.repeat_interleave(n, dim=0)
             q_mask = None if q_mask is None else q_mask.repeat_interleave(n, dim=0)
-            out = module.maxsim_pairwise(Q, folded, a_mask=q_mask, b_mask=folded_mask, **params)
-            return out.reshape(groups, n)
+            return score(Q, folded, a_mask=q_mask, b_mask=folded_mask, **params).reshape(groups, n)
         # column d * N + k is document d, slot k: ST's query-major layout
-        return module.maxsim(Q, folded, a_mask=q_mask, b_mask=folded_mask, **params)
+        return score(Q, folded, a_mask=q_mask, b_mask=folded_mask, **params)
 
     return run
 
 
 colbert_scores = _fold("colbert_scores", pairwise=False)
 colbert_kd_scores = _fold("colbert_kd_scores", pairwise=True)
+colbert_scores_through = _fold("_colbert_scores", pairwise=False, scorer_param="score_documents")
+colbert_kd_scores_through = _fold("_colbert_kd_scores", pairwise=True, scorer_param="score_pairs")
 
 #: ``{name in util.similarity / scoring.colbert: adapter}``; wrapped as lookalikes by the patcher.
 SIMILARITY_ADAPTERS = {
@@ -288,7 +349,11 @@ SIMILARITY_ADAPTERS = {
     "maxsim": maxsim,
     "maxsim_pairwise": maxsim_pairwise,
 }
+#: 6.3 adds the private helpers its losses score through (``partial(_colbert_scores,
+#: model.similarity)``); a release without them has nothing to capture there.
 SCORING_ADAPTERS = {
     "colbert_scores": colbert_scores,
     "colbert_kd_scores": colbert_kd_scores,
+    "_colbert_scores": colbert_scores_through,
+    "_colbert_kd_scores": colbert_kd_scores_through,
 }

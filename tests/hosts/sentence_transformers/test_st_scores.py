@@ -292,29 +292,38 @@ def test_patch_twice_then_unpatch_restores_everything():
 
 
 def test_objects_built_before_the_patch_are_served(tmp_path):
+    """A model and a loss built before the patch: ``model.similarity`` and the loss's scoring
+    are served after it.  6.0 - 6.2 losses hold ST's ``colbert_scores`` (``similarity_fct``);
+    6.3 losses hold None and score through ``model.similarity``."""
     unpatch_sentence_transformers()
     from sentence_transformers.multi_vector_encoder import scoring
     from sentence_transformers.util import similarity
 
     encoder = st_tiny.save_tiny_encoder(str(tmp_path / "enc"))
-    model = st_tiny.load_encoder(encoder)
+    model, twin = st_tiny.load_encoder(encoder), st_tiny.load_encoder(encoder)
     model.similarity_fn_name  # noqa: B018 -- resolved before the patch
-    loss = st_tiny.make_loss("mnrl", model)
-    original_maxsim, original_scores = similarity.maxsim, scoring.colbert_scores
-    assert model._similarity is original_maxsim and loss.similarity_fct is original_scores
+    loss, twin_loss = st_tiny.make_loss("mnrl", model), st_tiny.make_loss("mnrl", twin)
+    original_maxsim, original_scores, held = similarity.maxsim, scoring.colbert_scores, loss.similarity_fct
+    assert model._similarity is original_maxsim and held in (original_scores, None)
     q = model.encode_query(["what is a kernel", "where is the river"])
     d = model.encode_document(["a kernel is fast.", "the river is in the city!", "the sun"])
     theirs = model.similarity(q, d)
+    their_losses = st_tiny.train(twin, twin_loss, "mnrl", str(tmp_path / "v"), steps=1)
     patch_sentence_transformers()
     try:
-        assert loss.similarity_fct.__wrapped__ is original_scores
+        if held is not None:
+            assert loss.similarity_fct.__wrapped__ is original_scores
         reset_routing_counts()
         ours = model.similarity(q, d)
         assert _ours("sentence_transformers.maxsim")
         _close(ours, theirs)
+        reset_routing_counts()
+        our_losses = st_tiny.train(model, loss, "mnrl", str(tmp_path / "p"), steps=1)
+        assert routing_counts()["sentence_transformers.maxsim"] == {"torch-chunked": 1}   # both columns, one launch
     finally:
         unpatch_sentence_transformers()
-    assert model._similarity is original_maxsim and loss.similarity_fct is original_scores
+    assert our_losses == pytest.approx(their_losses, rel=1e-5, abs=1e-6)
+    assert model._similarity is original_maxsim and loss.similarity_fct is held
 
 
 def test_install_hint_when_st_is_missing(monkeypatch):
