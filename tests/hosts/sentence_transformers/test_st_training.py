@@ -60,6 +60,52 @@ def test_training_is_routed_and_identical(encoder, tmp_path, kind):
     assert st_tiny.max_param_diff(vanilla, before) > 1e-4  # training did move the weights
 
 
+def _wrapping_loss(wrapper: str, model):
+    """6.3's losses that wrap another one: Matryoshka dimensions, token pooling (Ward)."""
+    from sentence_transformers.multi_vector_encoder import losses
+
+    if wrapper == "matryoshka":
+        return losses.MultiVectorMatryoshkaLoss(model, st_tiny.make_loss("mnrl", model), matryoshka_dims=[16, 7])
+    if wrapper == "matryoshka_kd":
+        return losses.MultiVectorMatryoshkaLoss(model, st_tiny.make_loss("distill_kl_div", model), matryoshka_dims=[16, 5])
+    from sentence_transformers.multi_vector_encoder.modules import HierarchicalTokenPooling
+
+    return losses.MultiVectorTokenPoolingLoss(model, st_tiny.make_loss("mnrl", model),
+                                              [None, HierarchicalTokenPooling(pool_factor=2)])
+
+
+@pytest.mark.parametrize("wrapper", ["matryoshka", "matryoshka_kd", "token_pooling"])
+def test_wrapping_losses_are_routed_and_identical(encoder, tmp_path, wrapper):
+    """6.3+: the multi-vector Matryoshka and token-pooling losses score through the loss they
+    wrap (odd truncated dims included); patched and vanilla train alike."""
+    from sentence_transformers.multi_vector_encoder import losses
+
+    if not hasattr(losses, "MultiVectorMatryoshkaLoss"):
+        pytest.skip("sentence-transformers 6.3+ (multi-vector Matryoshka / token-pooling losses)")
+    inner = "distill_kl_div" if wrapper == "matryoshka_kd" else "mnrl"
+
+    def run(name):
+        model = st_tiny.load_encoder(encoder)
+        values = st_tiny.train(model, _wrapping_loss(wrapper, model), inner, str(tmp_path / name))
+        return values, st_tiny.parameters(model)
+
+    unpatch_sentence_transformers()
+    vanilla_losses, vanilla = run("v")
+    patch_sentence_transformers()
+    try:
+        reset_routing_counts()
+        patched_losses, patched = run("p")
+        counts = routing_counts()
+    finally:
+        unpatch_sentence_transformers()
+    entry = "sentence_transformers.maxsim_pairwise" if inner == "distill_kl_div" else "sentence_transformers.maxsim"
+    assert set(counts.get(entry, {})) <= OURS and counts.get(entry), counts
+    assert all(set(p) <= OURS for e, p in counts.items() if e.startswith("sentence_transformers.")), counts
+    assert len(vanilla_losses) >= 2
+    assert patched_losses == pytest.approx(vanilla_losses, rel=1e-5, abs=1e-6)
+    assert st_tiny.max_param_diff(patched, vanilla) < 1e-5
+
+
 def test_evaluators_and_similarity_match(encoder):
     from sentence_transformers.multi_vector_encoder.evaluation import (
         MultiVectorDistillationEvaluator,
