@@ -9,7 +9,8 @@ summary covers them all):
 2. the Metal kernels' shader source under the C++ emulator, every kernel;
 3. sentence-transformers 6.x in its own environment (it cannot sit beside PyLate's pinned 5.3);
 4. the hosts' own test suites, unpatched / patched / kill switch, compared test for test;
-5. ``pip install`` of this checkout into an environment with torch and the hosts leaves them untouched.
+5. ``pip install`` of this checkout into an environment with torch and the hosts leaves them untouched,
+   and ``python -m build``'s sdist and wheel each install in a fresh environment and pass a CPU smoke test.
 
 A pytest part that collects no tests (exit code 5) fails.
 
