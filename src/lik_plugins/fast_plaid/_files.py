@@ -135,7 +135,8 @@ class IndexFiles(NamedTuple):
 
 def index_files(path: str) -> IndexFiles:
     """The layout of the index in folder ``path``, or :class:`UnknownIndexLayout`.  Reads the
-    small files only (metadata, doclens, manifests), never the codes or residuals."""
+    small files (metadata, doclens, manifests) and the headers of the codes' and residuals'
+    files (dtype, shape), not their rows."""
     meta = read_metadata(path)
     try:
         dim = int(np.load(os.path.join(path, "centroids.npy"), mmap_mode="r").shape[1])
@@ -145,14 +146,21 @@ def index_files(path: str) -> IndexFiles:
     rows = [sum(lengths) for lengths in per_chunk]
     frozen = bool(meta.get("frozen", False))
     codes, residuals = (sources(path, kind, rows, frozen) for kind in KINDS)
+    row_bytes = dim * int(meta["nbits"]) // 8
+    for kind, per_kind in zip(KINDS, (codes, residuals)):
+        for source in per_kind:
+            read_rows(source, kind, row_bytes)      # the headers checked now, before anything is loaded
     return IndexFiles(meta, dim, [n for lengths in per_chunk for n in lengths], codes, residuals,
                       layout_name([codes, residuals], path))
 
 
 def read_rows(source: ChunkSource, kind: str, row_bytes: int) -> np.ndarray:
     """Chunk ``source``'s rows of ``kind``, checked: integer codes ``[rows]``, uint8 residuals
-    ``[rows, row_bytes]`` (a memory map sliced, so only those rows are read)."""
-    array = np.load(source.file, mmap_mode="r")
+    ``[rows, row_bytes]`` (a memory map sliced: only those rows are read, and only when used)."""
+    try:
+        array = np.load(source.file, mmap_mode="r")
+    except (OSError, ValueError) as exc:
+        raise UnknownIndexLayout(f"{source.file}: not a .npy array ({exc})") from exc
     end = source.start + source.rows
     if kind == "codes":
         ok = array.ndim == 1 and np.issubdtype(array.dtype, np.integer)
