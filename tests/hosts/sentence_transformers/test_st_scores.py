@@ -259,12 +259,17 @@ def test_kill_switch_is_st_bit_for_bit(patched, monkeypatch):
 def _snapshot():
     from support.host_state import module_globals
 
-    names = ("maxsim", "maxsim_pairwise", "_maxsim_score_documents", "_maxsim_score_pairs", "colbert_scores", "colbert_kd_scores")
+    names = ("maxsim", "maxsim_pairwise", "_maxsim_score_documents", "_maxsim_score_pairs", "colbert_scores", "colbert_kd_scores",
+             "_colbert_scores", "_colbert_kd_scores")
     globals_ = module_globals("sentence_transformers", names)
     from sentence_transformers import MultiVectorEncoder
     from sentence_transformers.multi_vector_encoder import losses
 
-    classes = {c.__name__: dict(vars(c)) for c in (MultiVectorEncoder, *[getattr(losses, n) for n in losses.__all__])}
+    from sentence_transformers.multi_vector_encoder.scoring import colbert
+
+    scorer = getattr(colbert, "_MaxSimScorer", None)   # 6.3+: the model scorer of use_kernels / kernel_config
+    owners = (MultiVectorEncoder, *[getattr(losses, n) for n in losses.__all__], *([scorer] if scorer else []))
+    classes = {c.__name__: dict(vars(c)) for c in owners}
     return globals_, classes
 
 
