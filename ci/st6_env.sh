@@ -53,18 +53,29 @@ for release in "${releases[@]}"; do build "$release"; done
 [ $build_only -eq 1 ] && exit 0
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRITON_INTERPRET=1
+TOTALS='^=*\s*([0-9]+ [a-z]+(, )?)+ in [0-9.]+s'   # pytest's closing line, as ci/make_test.py reads it
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
 failed=()
+all_start=$SECONDS
 for release in "${releases[@]}"; do
     py="$(venv_of "$release")/bin/python"
     echo "st6_env: sentence-transformers $release ($py)" >&2
     start=$SECONDS
     set +e
-    "$py" -m pytest -q -rs -p no:cacheprovider tests/hosts/sentence_transformers
-    rc=$?
+    "$py" -m pytest -q -rs -p no:cacheprovider tests/hosts/sentence_transformers 2>&1 | tee "$logs/$release.log"
+    rc=${PIPESTATUS[0]}
     set -e
-    echo "st6_env: sentence-transformers $release: exit $rc in $((SECONDS - start)) s" >&2
+    totals="$(grep -E "$TOTALS" "$logs/$release.log" | tail -1 | sed -E 's/^=+ *//; s/ in [0-9.]+s.*//')"
+    echo "st6_env: sentence-transformers $release: ${totals:-no totals}, exit $rc, $((SECONDS - start)) s" >&2
     if [ $rc -eq 5 ]; then echo "st6_env: ERROR: pytest collected no tests on $release (exit code 5)" >&2; fi
     [ $rc -ne 0 ] && failed+=("$release")
 done
+# One closing line over the whole matrix, in pytest's format, so a reader of the last totals
+# line (ci/make_test.py) counts every release, not only the last one.
+combined="$(cat "$logs"/*.log | grep -E "$TOTALS" | grep -oE '[0-9]+ [a-z]+' | awk '
+    { n[$2] += $1; if (!($2 in seen)) { seen[$2] = 1; order[++k] = $2 } }
+    END { for (i = 1; i <= k; i++) printf "%s%d %s", (i > 1 ? ", " : ""), n[order[i]], order[i] }')"
+echo "======== ${combined:-0 passed} in $((SECONDS - all_start)).0s (sentence-transformers ${releases[*]}) ========"
 if [ ${#failed[@]} -gt 0 ]; then echo "st6_env: failed on: ${failed[*]}" >&2; exit 1; fi
 exit 0
