@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|rerank|realloop|firstcall|coldstart|shipped|coldtable|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|rerank|realloop|firstcall|firstrerank|coldstart|shipped|coldtable|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   src/lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
 #   firstcall = benchmarks/first_call.py: PyLate's first scoring call in fresh processes, ours against its torch path;
+#   firstrerank = benchmarks/first_rerank.py: PyLate's first rank.rerank 100 x 1000 of a fresh process, ours against its backends;
 #   coldstart = benchmarks/coldstart.py and PyLate's real loop cold / precompiled / torch, one call;
 #   shipped = the shipped binaries against the JIT, then coldstart.py and the cold loops (default settings);
 #   coldtable = coldstart.py --table: every side-by-side row in a fresh process, do_bench first against again;
@@ -106,6 +107,10 @@ fi
 if [[ $stage == firstcall ]]; then
   host_env
   timeout 300 python3 benchmarks/first_call.py "$OUT" "$@" 2>&1 | grep -v '^{'
+fi
+if [[ $stage == firstrerank ]]; then
+  host_env
+  timeout 560 python3 benchmarks/first_rerank.py "$OUT" "$@"
 fi
 if [[ $stage == coldstart ]]; then
   # fresh processes on empty caches: routing, do_bench first against again, lowmem bitwise, precompile ->
