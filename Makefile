@@ -3,6 +3,7 @@
 #   make test  - every CI part (suite, Metal emulator, ST 6, hosts' suites, install check), then one summary
 #   make demo  - run recipes/train_contrastive.py on CPU
 #   make gpu   - how to run the GPU benchmarks (on the GPU machine, not here)
+#   make releases - the host releases CI tests, and any newer one on PyPI (ci/host_releases.py)
 #
 # Why the environment is built in two steps: PyLate 1.6 depends on fast-plaid, and every
 # fast-plaid release pins one exact torch (1.6.0 -> torch 2.11.0, a CUDA build), so a plain
@@ -24,7 +25,7 @@ STAMP   := $(VENV)/.stamp
 REQS    := $(wildcard ci/requirements-*.txt)
 DEMO    := recipes/train_contrastive.py
 
-.PHONY: venv test demo gpu clean
+.PHONY: venv test demo gpu releases clean
 
 venv: $(STAMP)
 
@@ -47,7 +48,8 @@ test demo: export TRANSFORMERS_OFFLINE := 1
 #   2. the Metal kernels' shader source under the C++ emulator, every kernel;
 #   3. sentence-transformers 6.x in its own environment (it cannot sit beside PyLate's pinned ST 5.3);
 #   4. the hosts' own test suites, unpatched / patched / kill switch, compared test for test;
-#   5. pip install of this checkout beside torch and the hosts leaves them untouched (pip list before/after).
+#   5. pip install of this checkout beside torch and the hosts leaves them untouched (pip list before/after),
+#      and python -m build's sdist and wheel install into a fresh venv and pass a CPU smoke test.
 # pytest exit code 5 (no tests collected) counts as a failure.
 test: venv
 	@$(PY) ci/make_test.py
@@ -61,6 +63,9 @@ gpu:
 	@echo "On a CUDA machine with torch, triton and (for the side-by-side) the peers'"
 	@echo "wheels in .whl/, from the repo root run:"
 	@echo "    bash benchmarks/run_gpu.sh"
+
+releases:
+	@$(PYTHON) ci/host_releases.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
