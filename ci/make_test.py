@@ -56,6 +56,7 @@ def parts(python: str) -> list[Part]:
         Part("sentence-transformers 6.x", ["bash", "ci/st6_env.sh"], "pytest"),
         Part("hosts' own test suites", [python, "ci/host_suites.py"], "hosts"),
         Part("install beside torch", [python, "ci/install_keeps_torch.py"], "install"),
+        Part("fast-plaid 1.4.6 and 1.7.0", ["bash", "ci/fastplaid_env.sh"], "pytest"),
     ]
 
 

@@ -203,10 +203,11 @@ def test_pylate_plaid_patched(pylate_plaid, monkeypatch):
     patch_pylate()
     assert type(fast_plaid).search is not original
 
-    # a CPU index: fast-plaid serves, same results
+    # a CPU index: fast-plaid serves, same results, the reason counted
     reset_routing_counts()
     assert retriever.retrieve(queries_embeddings=queries, k=5) == theirs
     assert routing_counts()["fast_plaid.search"] == {"original": 1}
+    assert routing_counts()["fast_plaid.search: a CPU index (fast-plaid's CPU search)"] == {"original": 1}
 
     # PyLate's id mappings: unpickled once while unchanged, inside retrieval only
     import pylate.indexes.fast_plaid as pylate_fast_plaid
