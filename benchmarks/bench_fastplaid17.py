@@ -68,28 +68,43 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _corpus(args):
-    """Documents and queries around shared topic directions (a seeded generator: the same
-    corpus in every process)."""
+def _topics(args):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    topics = torch.nn.functional.normalize(torch.randn(args.topics, args.dim, generator=g), dim=-1)
+    return torch.nn.functional.normalize(torch.randn(args.topics, args.dim, generator=g), dim=-1)
 
-    def around(topic_ids, noise):
-        x = topics[topic_ids] + noise * torch.randn(len(topic_ids), args.dim, generator=g)
-        return torch.nn.functional.normalize(x, dim=-1)
 
+def _around(topics, topic_ids, noise: float, g):
+    import torch
+
+    x = topics[topic_ids] + noise * torch.randn(len(topic_ids), topics.shape[1], generator=g)
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def _documents(args):
+    """fp16 documents, each mixing 4 topics (seeded: the same corpus on every run)."""
+    import torch
+
+    topics, g = _topics(args), torch.Generator().manual_seed(1)
     lengths = torch.randint(args.min_tokens, args.max_tokens + 1, (args.docs,), generator=g).tolist()
     docs = []
     for n in lengths:
-        themes = torch.randint(0, args.topics, (4,), generator=g)         # a document mixes 4 topics
-        docs.append(around(themes[torch.randint(0, 4, (n,), generator=g)], 0.35).half())
+        themes = torch.randint(0, args.topics, (4,), generator=g)
+        docs.append(_around(topics, themes[torch.randint(0, 4, (n,), generator=g)], 0.35, g).half())
+    return docs
+
+
+def _queries(args):
+    """``[n, query_tokens, d]`` queries, each around 2 of the documents' topics."""
+    import torch
+
+    topics, g = _topics(args), torch.Generator().manual_seed(2)
     queries = []
     for _ in range(args.queries):
         themes = torch.randint(0, args.topics, (2,), generator=g)
-        queries.append(around(themes[torch.randint(0, 2, (args.query_tokens,), generator=g)], 0.45))
-    return docs, torch.stack(queries)
+        queries.append(_around(topics, themes[torch.randint(0, 2, (args.query_tokens,), generator=g)], 0.45, g))
+    return torch.stack(queries)
 
 
 def _stamp(args) -> str:
@@ -104,7 +119,7 @@ def build_index(args) -> int:
     from fast_plaid import search
 
     shutil.rmtree(args.index_dir, ignore_errors=True)
-    docs, _ = _corpus(args)
+    docs = _documents(args)
     started = time.perf_counter()
     search.FastPlaid(index=args.index_dir, device=_device()).create(documents_embeddings=docs, nbits=args.nbits)
     print(f"index: {len(docs)} documents built in {time.perf_counter() - started:.0f} s", flush=True)
@@ -127,7 +142,7 @@ def measure(args) -> dict:
         patch_fast_plaid()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    _, queries = _corpus(args)
+    queries = _queries(args)
     index = search.FastPlaid(index=args.index_dir, device=device)
     run = dict(top_k=args.top_k, show_progress=False)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -147,7 +162,7 @@ def measure(args) -> dict:
     served = lik_plugins.routing_counts().get("fast_plaid.search", {})
     return {"queries_per_s": len(queries) / batch_s, "p50_ms": 1e3 * statistics.median(single),
             "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0,
-            "served_by": "+".join(sorted(served)), "ids": [[p for p, _ in row] for row in results]}
+            "served_by": "+".join(sorted(served)) or "unpatched", "ids": [[p for p, _ in row] for row in results]}
 
 
 def _measure_in_process(args, impl: str) -> dict:
