@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build (once) the real-fast-plaid environment and run tests/hosts/fast_plaid there.
+# Build (once) the real-fast-plaid environment and run tests/hosts/fast_plaid/test_real_fast_plaid.py
+# there (the folder's other tests need colpali-engine: the main .venv runs them).
 #
 #   ci/fastplaid_env.sh                 # build if needed, then run the fast-plaid tests
 #   ci/fastplaid_env.sh --build-only    # only build the environment
@@ -38,7 +39,7 @@ export HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 FAST_PLAID_RELEASES="installed:$OLD_R
 set +e
 # the interpreter of triton 3.6 (torch 2.11's) warns on every indexed load under numpy 1.25+
 "$PY" -m pytest -q -rs -p no:cacheprovider -W "ignore:Conversion of an array with ndim:DeprecationWarning" \
-    tests/hosts/fast_plaid
+    tests/hosts/fast_plaid/test_real_fast_plaid.py
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then echo "fastplaid_env: ERROR: pytest collected no tests (exit code 5)" >&2; exit 1; fi

@@ -1,9 +1,10 @@
 """PLAID search over a fast-plaid index on disk, a batch of queries at a time, on the GPU.
 
-fast-plaid (PyLate's ``indexes.PLAID``) searches one query at a time in libtorch ops with a
-host synchronisation at each step.  :func:`plaid_search` runs the same algorithm
-(fast-plaid 1.4.6, ``rust/search/search.rs``) for a whole batch, with no host
-synchronisation until the results are read back once:
+fast-plaid (PyLate's ``indexes.PLAID``, colpali-engine's ``get_topk_plaid``) searches in
+libtorch ops with host synchronisations along the way (1.4: one query at a time; 1.5 and newer
+in chunks planned from free memory).  :func:`plaid_search` runs the same algorithm (fast-plaid
+1.4.6's ``rust/search/search.rs``; 1.7.0 returns the same lists, ``tests/hosts/fast_plaid``)
+for a whole batch, with no host synchronisation until the results are read back once:
 
 1. centroid scores ``S = centroids @ Q.T`` for every query token;
 2. IVF probe: the ``n_ivf_probe`` best centroids of each query token, and the union of
