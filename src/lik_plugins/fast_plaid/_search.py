@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import sys
 
 import torch
@@ -170,45 +171,52 @@ def _release_host_copy(fast_plaid) -> None:
         fast_plaid.indices = {device: None for device in indices}
 
 
+def _plan(fast_plaid, arguments: dict, signature: inspect.Signature, packs: bool):
+    """``(device, (Q, lengths))`` where ours serves this call, else the reason it does not."""
+    reason = _switched_off() or _placement(fast_plaid) or _argument_refuses(arguments, signature)
+    if reason:
+        return reason
+    device = _device(fast_plaid)
+    if isinstance(device, str):
+        return device
+    queries = _queries(arguments["queries_embeddings"], packs)
+    if queries is None:
+        return "queries not a 3-D tensor or a list of 2-D / 3-D tensors"
+    if not os.path.exists(os.path.join(fast_plaid.index, "metadata.json")):
+        return "no index on disk"                       # fast-plaid's own error
+    try:
+        files = index_files(fast_plaid.index)
+    except UnknownIndexLayout as exc:
+        logger.info("lik_plugins: %s", exc)
+        return "unknown index layout"
+    if not _fits(fast_plaid, device, files):
+        return "index_gpu_memory='auto' and the index does not fit index_memory_fraction"
+    return device, queries
+
+
 def make_search(original):
     """The replacement of ``FastPlaid.search`` for the release ``original`` comes from."""
     signature = inspect.signature(original)
     unknown = [name for name in signature.parameters if name not in KNOWN_PARAMETERS]
     missing = [name for name in KNOWN_PARAMETERS[:6] if name not in signature.parameters]
+    # a release's own signature decides for every call: one it does not match is never ours
+    release_reason = (f"unknown search parameter {unknown[0]!r}" if unknown
+                      else f"search without parameter {missing[0]!r}" if missing else None)
     packs = hasattr(sys.modules.get(original.__module__), "pack_queries")
 
     def search(self, *args, **kwargs):
         try:
             bound = signature.bind(self, *args, **kwargs)
         except TypeError:
-            _declined("arguments fast-plaid's search does not take")
-            return original(self, *args, **kwargs)          # its own TypeError
-        bound.apply_defaults()
-        arguments = bound.arguments
-        reason = (f"unknown search parameter {unknown[0]!r}" if unknown
-                  else f"search without parameter {missing[0]!r}" if missing else None)
-        reason = reason or _switched_off() or _placement(self) or _argument_refuses(arguments, signature)
-        device = None
-        if reason is None:
-            device = _device(self)
-            reason = device if isinstance(device, str) else None
-        queries = None
-        if reason is None:
-            queries = _queries(arguments["queries_embeddings"], packs)
-            reason = None if queries is not None else "queries not a 3-D tensor or a list of 2-D / 3-D tensors"
-        files = None
-        if reason is None:
-            try:
-                files = index_files(self.index)
-            except UnknownIndexLayout as exc:
-                reason = "unknown index layout"
-                logger.info("lik_plugins: %s", exc)
-            if files is not None and not _fits(self, device, files):
-                reason = "index_gpu_memory='auto' and the index does not fit index_memory_fraction"
-        if reason is not None:
-            _declined(reason)
+            bound = None
+        if bound is not None:
+            bound.apply_defaults()
+        plan = (release_reason or _plan(self, bound.arguments, signature, packs)) if bound is not None \
+            else "arguments fast-plaid's search does not take"          # its own TypeError follows
+        if isinstance(plan, str):
+            _declined(plan)
             return original(self, *args, **kwargs)
-        return _serve(self, device, queries, arguments)
+        return _serve(self, *plan, bound.arguments)
 
     return search
 
