@@ -7,10 +7,12 @@ summary covers them all):
 
 1. the suite in .venv (the kernels under Triton's CPU interpreter, PyLate 1.6, colpali-engine 0.3.18);
 2. the Metal kernels' shader source under the C++ emulator, every kernel;
-3. sentence-transformers 6.x in its own environment (it cannot sit beside PyLate's pinned 5.3);
+3. sentence-transformers 6.0, 6.2 and 6.3, each in its own environment (they cannot sit beside PyLate's pinned 5.3);
 4. the hosts' own test suites, unpatched / patched / kill switch, compared test for test;
 5. ``pip install`` of this checkout into an environment with torch and the hosts leaves them untouched,
-   and ``python -m build``'s sdist and wheel each install in a fresh environment and pass a CPU smoke test.
+   and ``python -m build``'s sdist and wheel each install in a fresh environment and pass a CPU smoke test;
+6. the real fast-plaid (1.7.0 installed, 1.4.6 beside it) in an environment with the torch its wheels pin:
+   indexes it creates, searched by itself and then patched.
 
 A pytest part that collects no tests (exit code 5) fails.
 

@@ -15,15 +15,17 @@ path in :mod:`lik_plugins.kernels`.  Public surface::
     maxsim_residual, maxsim_residual_varlen,          # PLAID / ColBERTv2 compressed indexes
     plaid_approx_score                                #   (lik_plugins.ops: compress, decompress)
     routing_counts, reset_routing_counts              # which path served each call
+    routing_reasons                                   # why a call went to the host's own code
     patch_pylate, unpatch_pylate                      # PyLate integration
     patch_colpali_engine, unpatch_colpali_engine      # colpali-engine integration
     patch_sentence_transformers, unpatch_sentence_transformers  # sentence-transformers 6.x
+    patch_fast_plaid, unpatch_fast_plaid              # fast-plaid's FastPlaid.search, used directly
 """
 from __future__ import annotations
 
 import importlib
 
-from ._routing import reset_routing_counts, routing_counts
+from ._routing import reset_routing_counts, routing_counts, routing_reasons
 
 _DISTRIBUTION = "lik_plugins"
 
@@ -42,9 +44,11 @@ _LAZY = {
     "unpatch_colpali_engine": ("lik_plugins.colpali", "unpatch_colpali_engine"),
     "patch_sentence_transformers": ("lik_plugins.sentence_transformers", "patch_sentence_transformers"),
     "unpatch_sentence_transformers": ("lik_plugins.sentence_transformers", "unpatch_sentence_transformers"),
+    "patch_fast_plaid": ("lik_plugins.fast_plaid", "patch_fast_plaid"),
+    "unpatch_fast_plaid": ("lik_plugins.fast_plaid", "unpatch_fast_plaid"),
 }
 
-__all__ = ["routing_counts", "reset_routing_counts", *_LAZY]
+__all__ = ["routing_counts", "reset_routing_counts", "routing_reasons", *_LAZY]
 
 
 def _version() -> str:

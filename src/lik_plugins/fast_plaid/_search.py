@@ -53,8 +53,7 @@ _logged: set = set()
 
 def _declined(reason: str) -> None:
     """Count a call fast-plaid serves, and why (logged once per reason)."""
-    _routing.record(ENTRY, "original")
-    _routing.record(f"{ENTRY}: {reason}", "original")
+    _routing.record(ENTRY, "original", reason=reason)
     if reason not in _logged:
         _logged.add(reason)
         logger.info("lik_plugins: fast-plaid serves its own search (%s)", reason)

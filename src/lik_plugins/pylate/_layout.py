@@ -35,11 +35,6 @@ FUNCTIONS = ("colbert_scores", "colbert_kd_scores", "colbert_scores_pairwise")
 #: ``from ..rank import rerank`` (``pylate.retrieve.colbert``) included.
 LOOPS = {"rerank": "pylate.rank.rank"}
 
-#: fast-plaid's search method, which PyLate's ``indexes.PLAID`` (``use_fast=True``, 1.4 and
-#: newer) calls: ``(module, class, method)``, served by :mod:`._plaid_search` where fast-plaid
-#: is installed.
-PLAID_SEARCH = ("fast_plaid.search", "FastPlaid", "search")
-
 #: PyLate's wrapper of fast-plaid (``indexes.PLAID``'s ``_index``): ``__call__`` unpickles the
 #: two id mappings on every search; ``(module, class, call, loaders)``, see :mod:`._plaid_search`.
 PLAID_MAPPINGS = ("pylate.indexes.fast_plaid", "FastPlaid", "__call__",

@@ -166,9 +166,8 @@ def test_unknown_layout_is_served_by_fast_plaid(release, tmp_path, ours):
         (tmp_path / "merged_codes.manifest.json").write_text(json.dumps({"0.codes.npy": {"rows": 1, "in": "x"}}))
     patch_fast_plaid()
     assert fast_plaid.search(queries, **SEARCH) == theirs
-    counts = lik_plugins.routing_counts()
-    assert counts["fast_plaid.search"] == {"original": 1}
-    assert counts["fast_plaid.search: unknown index layout"] == {"original": 1}
+    assert lik_plugins.routing_counts()["fast_plaid.search"] == {"original": 1}
+    assert lik_plugins.routing_reasons()["fast_plaid.search"] == {"unknown index layout": 1}
 
 
 def test_unknown_parameter_is_served_by_fast_plaid(index, release, ours, monkeypatch):
@@ -186,8 +185,7 @@ def test_unknown_parameter_is_served_by_fast_plaid(index, release, ours, monkeyp
     theirs = fast_plaid.search(queries, **SEARCH)
     patch_fast_plaid()
     assert fast_plaid.search(queries, **SEARCH) == theirs
-    counts = lik_plugins.routing_counts()
-    assert counts["fast_plaid.search: unknown search parameter 'rerank_depth'"] == {"original": 1}
+    assert lik_plugins.routing_reasons()["fast_plaid.search"] == {"unknown search parameter 'rerank_depth'": 1}
     unpatch_fast_plaid()                                # before monkeypatch puts the real one back
 
 
@@ -199,12 +197,12 @@ def test_fast_plaids_own_errors_and_switches(index, ours, monkeypatch):
     if inspect.signature(type(fast_plaid).search).parameters["batch_size"].default == "auto":   # 1.5 and newer
         with pytest.raises(ValueError, match="batch_size"):
             fast_plaid.search(queries, batch_size="huge", **SEARCH)
-        assert lik_plugins.routing_counts()["fast_plaid.search: batch_size='huge'"] == {"original": 1}
+        assert lik_plugins.routing_reasons()["fast_plaid.search"]["batch_size='huge'"] == 1
         fast_plaid.search(queries, batch_size="auto", **SEARCH)              # ours
     monkeypatch.setenv("PYLATE_SCORES_BACKEND", "torch")
     fast_plaid.search(queries[:1], **SEARCH)
     monkeypatch.setenv("LIK_DISABLE", "1")
     fast_plaid.search(queries[:1], **SEARCH)
-    counts = lik_plugins.routing_counts()
-    assert counts["fast_plaid.search: PYLATE_SCORES_BACKEND=torch"] == {"original": 1}
-    assert counts["fast_plaid.search: LIK_DISABLE=1"] == {"original": 1}
+    reasons = lik_plugins.routing_reasons()
+    assert reasons["fast_plaid.search"]["PYLATE_SCORES_BACKEND=torch"] == 1
+    assert reasons["fast_plaid.search"]["LIK_DISABLE=1"] == 1

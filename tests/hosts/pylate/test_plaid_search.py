@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from lik_plugins import reset_routing_counts, routing_counts
+from lik_plugins import reset_routing_counts, routing_counts, routing_reasons
 from lik_plugins import plaid_search as ps
 
 from support import fast_plaid_files
@@ -207,7 +207,7 @@ def test_pylate_plaid_patched(pylate_plaid, monkeypatch):
     reset_routing_counts()
     assert retriever.retrieve(queries_embeddings=queries, k=5) == theirs
     assert routing_counts()["fast_plaid.search"] == {"original": 1}
-    assert routing_counts()["fast_plaid.search: a CPU index (fast-plaid's CPU search)"] == {"original": 1}
+    assert routing_reasons()["fast_plaid.search"]["a CPU index (fast-plaid's CPU search)"] == 1
 
     # PyLate's id mappings: unpickled once while unchanged, inside retrieval only
     import pylate.indexes.fast_plaid as pylate_fast_plaid
