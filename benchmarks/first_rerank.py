@@ -82,8 +82,13 @@ def cell(impl: str, where: str, profile_to: str | None) -> dict:
         rank.rerank(ids, queries, docs, device="cuda")
         steady.append(time.perf_counter() - started)
     top10 = [[r["id"] for r in ranked[:10]] for ranked in first]
-    return {"impl": impl, "where": where, "first_s": first_s, "steady_s": steady, "top10": top10,
-            "torch": torch.__version__}
+    row = {"impl": impl, "where": where, "first_s": first_s, "steady_s": steady, "top10": top10,
+           "torch": torch.__version__}
+    if impl == "lik_plugins":      # launches no shipped binary served (each compiled by the JIT)
+        from lik_plugins.kernels.triton import binaries_loader
+
+        row["jit_launches"] = binaries_loader.diagnostics()["missing"]
+    return row
 
 
 def spawn(impl, where, out_dir, profile=False):
@@ -145,7 +150,8 @@ def main():
             for impl in args.impls.split(","):       # alternated, so drift hits both alike
                 rows.append(spawn(impl, where, args.out))
                 r = rows[-1]
-                print(where, impl, r.get("first_s", r.get("error", "")[-300:]), r.get("steady_s"), flush=True)
+                print(where, impl, r.get("first_s", r.get("error", "")[-300:]), r.get("steady_s"),
+                      r.get("jit_launches", ""), flush=True)
         if args.profile:
             spawn("lik_plugins", where, args.out, profile=True)
     report(rows, args.out)

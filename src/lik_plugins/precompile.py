@@ -133,7 +133,33 @@ def _unmasked(dtype, dim):
         _train(ops.maxsim(_tokens(dtype, batch, 32, dim), _tokens(dtype, batch, 16, ld, dim)))
 
 
+def _lists(dim):
+    """The hosts' list entry points (PyLate ``rank.rerank``, colpali-engine
+    ``score_multi_vector``, sentence-transformers' list scoring), whose candidates the listed
+    kernel reads where they lie: per-query candidate lists with the host's zero padding, and
+    every query against every candidate, with and without padding.  Every dtype, whatever
+    ``--dtypes`` says: retrieval embeddings come in fp16 as often as in bf16 or fp32, and a
+    process's first rerank is what a user who tries a reranker times."""
+    from .kernels.triton.listed import score_listed
+
+    def table(n, dtype, pad):
+        lengths = torch.empty(n, dtype=torch.int64, device="meta")
+        return (_tokens(dtype, 1, dim, grad=False), torch.empty(n, dtype=torch.int64, device="meta"), lengths,
+                torch.empty(n, dtype=torch.bool, device="meta") if pad else None)
+
+    with torch.no_grad():
+        for dtype, lq, pad in product(DTYPES.values(), (8, 16, 32, 64, 128, 256, 512, 1024), (True, False)):
+            doc, addresses, lengths, padded = table(1000, dtype, pad)
+            for nq in (1, 2, 4, 8, 16, 32, 64, 128):
+                cu_q = torch.empty(nq + 1, dtype=torch.int64, device="meta")
+                Q = _tokens(dtype, nq * lq, dim, grad=False)
+                score_listed(Q, cu_q, lq, doc, addresses, lengths, None, padded, round_maxima=True)
+                per_query = torch.empty(1000, dtype=torch.int64, device="meta")
+                score_listed(Q, cu_q, lq, doc, addresses, lengths, per_query, padded, round_maxima=True)
+
+
 WORKLOADS = {"pylate": _pylate, "colpali": _colpali, "sentence_transformers": _sentence_transformers, "ops": _ops}
+LIST_HOSTS = ("pylate", "colpali", "sentence_transformers")
 
 
 # ----------------------------------------------------------------------------- the target
@@ -228,6 +254,9 @@ def variants(hosts, dtypes, dims, arch: str, generic: bool = False) -> list[tupl
             for dtype in dtypes:
                 for dim in dims:
                     WORKLOADS[host](dtype, dim)
+        if any(host in LIST_HOSTS for host in hosts):
+            for dim in dims:
+                _lists(dim)
     for kernel, args, meta in launches:
         found.setdefault(variants.variant(kernel, args, meta), (kernel, args, meta))
     if generic:

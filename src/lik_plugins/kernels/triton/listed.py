@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .forward import DENSE, _document_row_max
 from .blocking import TARGET_BLOCK_M, row_blocking
+from .direct import launch
 from .operands import precision as _precision
 from .tuning import interpreting, k_tile, next_pow2
 
@@ -155,14 +156,13 @@ def score_listed(Q: torch.Tensor, cu_q: torch.Tensor, max_q: int, doc: torch.Ten
     out = torch.empty((n_chunks, n_out, n_table), dtype=torch.float32, device=Q.device)
     if n_table and n_q:
         pad_arg = pad.view(torch.int8) if pad is not None and pad.dtype == torch.bool else pad
-        listed_fwd_kernel[(n_table * n_qblocks * n_chunks,)](
-            Q, cu_q, addresses, lengths, lengths if cross else query_index, lengths if pad is None else pad_arg, doc,
-            out, n_table, n_q, n_qblocks, n_chunks, dim, Q.stride(0),
-            ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad, UPCAST=interpreting() and Q.dtype == torch.bfloat16,
-            PRECISION=_precision(Q.dtype), HAS_PAD=pad is not None, CROSS=cross,
-            ROUND_MAX=round_maxima and Q.dtype != torch.float32,
-            **_config(d_pad, elem),
-        )
+        # through the shipped binaries (direct.launch): a process's first rerank compiles nothing
+        launch(listed_fwd_kernel, (n_table * n_qblocks * n_chunks,),
+               (Q, cu_q, addresses, lengths, lengths if cross else query_index, lengths if pad is None else pad_arg,
+                doc, out, n_table, n_q, n_qblocks, n_chunks, dim, Q.stride(0)),
+               dict(ROWS_PER_Q=rows, QPB=qpb, D_PAD=d_pad, UPCAST=interpreting() and Q.dtype == torch.bfloat16,
+                    PRECISION=_precision(Q.dtype), HAS_PAD=pad is not None, CROSS=cross,
+                    ROUND_MAX=round_maxima and Q.dtype != torch.float32, **_config(d_pad, elem)))
     else:
         out.zero_()
     scores = out[0] if n_chunks == 1 else out.sum(0)
