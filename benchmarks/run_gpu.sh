@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The one GPU script: GPU test suite + memcheck + side-by-side benchmark, in one call.
 # Run on the device machine from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|rerank|realloop|firstcall|firstrerank|coldstart|shipped|coldtable|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
+#   bash benchmarks/run_gpu.sh [tests|memcheck|bench|kernels|tune|compressed|host|rerank|realloop|firstcall|firstrerank|st63|fastplaid17|coldstart|shipped|coldtable|multigpu|fidelity|plaid|parity|e2e|hosts|all] [options]
 # tune [--formats] = sweep this GPU's config table (writes $OUT/<arch>.json: commit it to
 #   src/lik_plugins/kernels/triton/configs/); realloop = benchmarks/real_loop.py (options passed on);
 #   firstcall = benchmarks/first_call.py: PyLate's first scoring call in fresh processes, ours against its torch path;
 #   firstrerank = benchmarks/first_rerank.py: PyLate's first rank.rerank 100 x 1000 of a fresh process, ours against its backends;
+#   st63 = benchmarks/bench_st63.py (sentence-transformers 6.3 and its deps from .whl-st63/, late-interaction-kernels from .whl/);
+#   fastplaid17 = benchmarks/bench_fastplaid17.py (fast-plaid 1.7.0 and usearch from .whl-fp/, fastkmeans from .whl/);
 #   coldstart = benchmarks/coldstart.py and PyLate's real loop cold / precompiled / torch, one call;
 #   shipped = the shipped binaries against the JIT, then coldstart.py and the cold loops (default settings);
 #   coldtable = coldstart.py --table: every side-by-side row in a fresh process, do_bench first against again;
@@ -111,6 +113,16 @@ fi
 if [[ $stage == firstrerank ]]; then
   host_env
   timeout 560 python3 benchmarks/first_rerank.py "$OUT" "$@"
+fi
+if [[ $stage == st63 ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/st63 .whl-st63/*.whl \
+    .whl/late_interaction_kernels-*.whl || exit 1
+  PYTHONPATH=/tmp/st63:$PWD/src:$PWD HF_HUB_OFFLINE=1 timeout 400 python3 benchmarks/bench_st63.py "$OUT" "$@"
+fi
+if [[ $stage == fastplaid17 ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fp .whl-fp/*.whl \
+    .whl/fastkmeans-*.whl || exit 1
+  PYTHONPATH=/tmp/fp:$PWD/src:$PWD timeout 540 python3 benchmarks/bench_fastplaid17.py --out "$OUT" --index-dir /tmp/fpindex "$@"
 fi
 if [[ $stage == coldstart ]]; then
   # fresh processes on empty caches: routing, do_bench first against again, lowmem bitwise, precompile ->
