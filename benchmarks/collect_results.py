@@ -362,6 +362,18 @@ def first_call(src: Source):
                           f"{len(later)} calls {_g(min(later))}-{_g(max(later))} ms")
 
 
+def first_rerank(src: Source):
+    """first_rerank.py: PyLate's first ``rank.rerank`` of each fresh process and its later calls."""
+    for n, r in enumerate(src.data["rows"]):
+        if "error" in r:
+            continue
+        case = f"PyLate rank.rerank 100 x 1000, {r['where']}, fresh process {n + 1}"
+        yield src.row(case, r["impl"], "first_call_time", r["first_s"], "s", host="pylate 1.6.0")
+        later = r["steady_s"]
+        yield src.row(case, r["impl"], "later_call_time", statistics.median(later), "s",
+                      f"{len(later)} calls {_g(min(later))}-{_g(max(later))} s", host="pylate 1.6.0")
+
+
 def _rows0(d) -> dict:
     rows = d.get("rows") if isinstance(d, dict) else None
     return rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
@@ -374,6 +386,7 @@ READERS = (
     (lambda d: "iqr_ms" in _rows0(d), packed),
     (lambda d: "loop" in _rows0(d), real_loop),
     (lambda d: "calls" in _rows0(d) and "impl" in _rows0(d), first_call),
+    (lambda d: "first_s" in _rows0(d) and "where" in _rows0(d), first_rerank),
     (lambda d: "n_docs" in _rows0(d), latency),
     (lambda d: "call" in _rows0(d), host_overhead),
     (lambda d: "loss" in _rows0(d) and "pylate" in d.get("meta", {}), pylate_e2e),

@@ -124,8 +124,10 @@ def report(rows, out_dir):
         f.write(text + "\n")
     for r in rows:
         r.pop("top10", None)
+    meta = {"command": "python benchmarks/first_rerank.py " + " ".join(sys.argv[2:]), "host": "pylate",
+            "shape": f"{NQ} queries x {NC} candidates of {LO}-{HI} tokens, d {DIM}"}
     with open(os.path.join(out_dir, "first_rerank.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(text)
 
 
