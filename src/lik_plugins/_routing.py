@@ -2,7 +2,6 @@
 
 Users read this to check that their training really runs on the kernels; the
 integration tests observe it instead of checking that an attribute was assigned.
-:func:`listed_table` is the one path choice of the hosts' candidate lists.
 """
 from __future__ import annotations
 
@@ -34,23 +33,6 @@ def record(entry: str, path: str, reason: str | None = None) -> None:
         _counts[entry][path] += 1
         if reason is not None:
             _reasons[entry][reason] += 1
-
-
-def listed_table(first, target, candidates: list, extra: list[int]):
-    """``(path, table)`` for a host's list of ``[Ld, d]`` candidates against queries like
-    ``first`` scored on ``target``: only the Triton kernels read such a list where it lies
-    (:mod:`lik_plugins.kernels.triton.listed`), so ``table`` is None where ``path`` is another,
-    else ``candidate_table``'s answer (a reason string where the list cannot be read in place;
-    ``extra`` goes to the device with it)."""
-    from . import ops
-
-    probe = first.to(target) if first.device != target else first
-    path = ops.served_by(probe)
-    if path != "triton":
-        return path, None
-    from .kernels.triton.listed import candidate_table
-
-    return path, candidate_table(candidates, first.dtype, first.shape[-1], target, extra=extra)
 
 
 def routing_counts() -> dict[str, dict[str, int]]:

@@ -12,7 +12,7 @@ from operator import attrgetter, itemgetter
 import torch
 
 from .._config import disabled, scores_backend
-from .._routing import listed_table
+from ..ops.listed import plan_lists, score_lists
 
 # COLPALI_SCORES_BACKEND, as colpali-engine >= 0.3.17 parses it (read on every call).
 BACKEND_VAR = "COLPALI_SCORES_BACKEND"
@@ -94,17 +94,15 @@ def multi_vector_lists(queries: list, passages: list, batch_size: int, device):
     accumulation error of a 16-bit rounding midpoint (one step of the grid, rare).  Equal
     scores stay equal: rankings match colpali's, ties included, under any deterministic
     sort.  Served where the Triton kernels run; elsewhere (a CPU) colpali's loop."""
-    path, table = listed_table(queries[0], torch.device(device), passages, [q.shape[0] for q in queries])
+    path, table = plan_lists(queries[0], torch.device(device), passages, [q.shape[0] for q in queries])
     if table is None or isinstance(table, str):
         return None
-    from ..kernels.triton.listed import score_table
-
     # colpali's chunks of batch_size passages, each padded to its longest: on the device
     n_p = len(passages)
     n_chunks = -(-n_p // batch_size)
     chunked = torch.nn.functional.pad(table.lengths, (0, n_chunks * batch_size - n_p)).view(n_chunks, batch_size)
     pad = (chunked < chunked.amax(dim=1, keepdim=True)).view(-1)[:n_p]
     with torch.no_grad():   # every query against every passage: [n_q, n_p]
-        scores = score_table(queries, table.extra, table, None, pad, round_maxima=True)
+        scores = score_lists(queries, table.extra, table, None, pad, round_maxima=True)
     scores = scores.to(queries[0].dtype).cpu().to(torch.float32)
     return scores, path

@@ -48,7 +48,7 @@ from operator import itemgetter
 
 import torch
 
-from .._routing import listed_table
+from ..ops.listed import paused_gc, plan_lists, score_lists
 from . import _scores
 from ._scores import SUPPORTED_DTYPES, _Fallback
 
@@ -101,7 +101,7 @@ def _prepare(documents_ids, queries_embeddings, documents_embeddings, device):
     target = torch.device(device) if device is not None else first.device
     counts = [len(docs) for docs in candidates]
     flat = [d for docs in candidates for d in docs]
-    path, table = listed_table(first, target, flat, extra=[q.shape[0] for q in queries] + counts)
+    path, table = plan_lists(first, target, flat, extra=[q.shape[0] for q in queries] + counts)
     if table is None:
         args = (documents_ids, queries_embeddings, documents_embeddings, device)
         return "original", functools.partial(_host_loop, layout.originals["rerank"], args)
@@ -113,8 +113,6 @@ def _prepare(documents_ids, queries_embeddings, documents_embeddings, device):
         start += n
     if min(longest) == 0:
         return _Fallback("a candidate list of empty documents", strict=False)
-    from ..kernels.triton.listed import paused_gc
-
     def run():
         with paused_gc():        # a result dict per candidate (listed.paused_gc says why)
             return _rerank_listed(queries, table, counts, longest, [ids for _, ids, _ in groups], target)
@@ -123,8 +121,6 @@ def _prepare(documents_ids, queries_embeddings, documents_embeddings, device):
 
 
 def _rerank_listed(queries, table, counts, longest, ids, target):
-    from ..kernels.triton.listed import score_table
-
     nq, dtype = len(queries), queries[0].dtype
     q_lens, n_cands = table.extra[:nq], table.extra[nq:]
     total = len(table.host_lengths)       # addresses is None for a staged (host-resident) table
@@ -132,7 +128,7 @@ def _rerank_listed(queries, table, counts, longest, ids, target):
     # PyLate's zero padding joins the max of every candidate shorter than its list's longest
     pad = table.lengths < torch.tensor(longest).to(target, non_blocking=True)[query_index]
     with torch.no_grad():
-        flat = score_table(queries, q_lens, table, query_index, pad, round_maxima=True)
+        flat = score_lists(queries, q_lens, table, query_index, pad, round_maxima=True)
     flat = flat.to(dtype)            # PyLate's scores are in the embeddings' dtype
     # each list sorted by the very call PyLate makes on it (module docstring: ties)
     parts = [torch.sort(part, descending=True) for part in torch.split(flat, counts)]

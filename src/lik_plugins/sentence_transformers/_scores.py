@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 from .._config import disabled
-from .._routing import listed_table, record
+from .._routing import record
+from ..ops.listed import plan_lists, score_lists
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -208,18 +209,16 @@ def _listed(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if not isinstance(b[0], torch.Tensor) or b[0].device != device or (
             target is not None and torch.device(target) != device):
         return None
-    _, table = listed_table(first, device, b, [q.shape[0] for q in a])
+    _, table = plan_lists(first, device, b, [q.shape[0] for q in a])
     if table is None or isinstance(table, str):
         return None
-    from ..kernels.triton.listed import score_table
-
     nq = len(a)
     # every document is a plain tensor now (candidate_table checked): one C-level pass
     if torch.is_grad_enabled() and (any(q.requires_grad for q in a) or any(map(_REQUIRES_GRAD, b))):
         return None   # scores only: a gradient goes through ST's chunk scorers
     q_lens = table.extra
     with torch.no_grad():   # pairwise: query i against document i ([nq]); else every pair ([nq, nd])
-        scores = score_table(a, q_lens, table, torch.arange(nq, device=device) if pairwise else None, None,
+        scores = score_lists(a, q_lens, table, torch.arange(nq, device=device) if pairwise else None, None,
                              round_maxima=True)
     scores = scores.masked_fill(table.lengths == 0, _similarity_module._EMPTY_DOCUMENT_SCORE)
     if params.get("length_normalize", False):
