@@ -32,7 +32,7 @@ def test_patch_pylate_without_pylate_gives_a_command_that_keeps_torch(monkeypatc
     message = str(_error_without(monkeypatch, "pylate", lik_plugins.unpatch_pylate, lik_plugins.patch_pylate))
     # PyLate's own metadata pulls fast-plaid, which pins one torch: the hint installs the
     # other dependencies, then PyLate alone
-    assert "pip install --no-deps pylate==1.6.0" in message and "fast-plaid" not in message.split("README")[0]
+    assert "pip install --no-deps pylate==1.6.0" in message and "fast-plaid" not in message.split("docs/install.md")[0]
     assert "lik_plugins[" not in message and "torch==" not in message
 
 
@@ -49,18 +49,23 @@ def test_patch_colpali_without_colpali_gives_a_command_that_keeps_torch(monkeypa
     assert not patch.is_patched()
 
 
-def test_readme_install_section_shows_the_hints_commands_before_any_extra():
-    """README "Install" quotes the commands the errors give, verbatim, and explains what the
-    extras do to torch before it shows them."""
+def test_install_guide_shows_the_hints_commands_after_saying_what_they_keep():
+    """docs/install.md (which README "Install" points to, and the errors name) quotes the
+    commands the errors give, verbatim, and says what the plain install would do to torch
+    before it shows them."""
     from pathlib import Path
 
     from lik_plugins import _install
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Install"):readme.index("\n## ", readme.index("## Install") + 1)]
+    root = Path(__file__).resolve().parent.parent
+    guide = (root / "docs" / "install.md").read_text()
+    heading = "## PyLate and colpali-engine beside your torch"
+    section = guide[guide.index(heading):guide.index("\n## ", guide.index(heading) + 1)]
     for command in (_install.PYLATE, _install.COLPALI):
         assert command in section
-    assert "lik_plugins[pylate]" not in readme and "lik_plugins[colpali]" not in readme
+    readme = (root / "README.md").read_text()
+    assert "docs/install.md" in readme[readme.index("## Install"):]
+    assert "lik_plugins[pylate]" not in readme + guide and "lik_plugins[colpali]" not in readme + guide
     first_command = section.index("```bash")
     assert section.index("torch", 0, first_command) < first_command
 

@@ -6,7 +6,7 @@ requires torchvision, which from PyPI is built for the CUDA torch of its version
 transformers' imports beside a CPU torch.  Packaging cannot say "this host without that
 dependency", so lik_plugins has no extra that installs a host: these two-step commands
 install the host's other dependencies, then the host alone.  The patchers' ImportErrors
-quote them, and README "Install" shows the same strings (a test keeps them equal).
+quote them, and docs/install.md shows the same strings (a test keeps them equal).
 """
 from __future__ import annotations
 
@@ -24,4 +24,4 @@ COLPALI = ('pip install "transformers>=5.3,<5.5" "peft>=0.18,<0.21" pillow scipy
 def missing_host(patcher: str, host: str, command: str) -> str:
     """The ImportError message of a patcher whose host is not installed."""
     return (f"{patcher} needs {host}. To install it without replacing your torch: {command} "
-            f"(README 'Install' says what the plain `pip install` of it would do to torch)")
+            f"(docs/install.md says what the plain `pip install` of it would do to torch)")

@@ -14,8 +14,8 @@ import torch
 
 # The releases are loaded from their wheels, not installed, but their loss modules import
 # transformers and PIL.
-pytest.importorskip("transformers", reason="colpali-engine's loss modules need transformers (README 'Install': colpali-engine beside your torch)")
-pytest.importorskip("PIL", reason="colpali-engine's loss modules need pillow (README 'Install': colpali-engine beside your torch)")
+pytest.importorskip("transformers", reason="colpali-engine's loss modules need transformers (docs/install.md: colpali-engine beside your torch)")
+pytest.importorskip("PIL", reason="colpali-engine's loss modules need pillow (docs/install.md: colpali-engine beside your torch)")
 
 import lik_plugins  # noqa: E402
 from lik_plugins.ops import served_by  # noqa: E402

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-pytest.importorskip("colpali_engine", reason="colpali-engine is not installed (README 'Install': colpali-engine beside your torch)")
+pytest.importorskip("colpali_engine", reason="colpali-engine is not installed (docs/install.md: colpali-engine beside your torch)")
 
 import lik_plugins  # noqa: E402
 from colpali_engine.loss import late_interaction_losses as L  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("colpali_engine", reason="colpali-engine is not installed (README 'Install': colpali-engine beside your torch)")
+pytest.importorskip("colpali_engine", reason="colpali-engine is not installed (docs/install.md: colpali-engine beside your torch)")
 
 import lik_plugins  # noqa: E402
 from colpali_engine.loss import late_interaction_losses as L  # noqa: E402

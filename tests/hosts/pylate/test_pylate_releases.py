@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
+pytest.importorskip("pylate.scores", reason="PyLate is not installed (docs/install.md: PyLate beside your torch)")
 
 from support import pylate_releases  # noqa: E402
 

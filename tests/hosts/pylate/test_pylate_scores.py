@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
+pytest.importorskip("pylate.scores", reason="PyLate is not installed (docs/install.md: PyLate beside your torch)")
 
 import torch  # noqa: E402
 

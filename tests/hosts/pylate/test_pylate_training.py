@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-pytest.importorskip("pylate.scores", reason="PyLate is not installed (README 'Install': PyLate beside your torch)")
+pytest.importorskip("pylate.scores", reason="PyLate is not installed (docs/install.md: PyLate beside your torch)")
 
 from support import pylate_tiny as tiny  # noqa: E402
 
