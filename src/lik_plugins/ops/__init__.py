@@ -14,6 +14,7 @@ under ``tests/ops``):
                    maxsim_residual, maxsim_residual_varlen, plaid_approx_score
 ``quantized``      fp8 and int8 inference: quantize_fp8, maxsim_fp8, Fp8Tokens and the
                    int8 twins
+``pooling``        hierarchical (Ward) token pooling of documents: hierarchical_pool
 ``modules``        nn.Module wrappers: MaxSimScorer
 ``validate``       the argument checks the ops share
 =================  =====================================================================
@@ -25,6 +26,7 @@ from __future__ import annotations
 from ..kernels.dispatch import served_by
 from .dense import maxsim, maxsim_from_hidden, maxsim_pairs, retrieve, smooth_maxsim
 from .modules import MaxSimScorer
+from .pooling import hierarchical_pool
 from .packed import maxsim_padded, maxsim_varlen, pack, score_pairs_packed, unpack
 from .plaid import (
     ResidualIndex, compress, decompress, fit_centroids, maxsim_residual, maxsim_residual_varlen, plaid_approx_score,
@@ -37,6 +39,6 @@ __all__ = [
     "ResidualIndex", "fit_centroids", "compress", "decompress", "maxsim_residual", "maxsim_residual_varlen",
     "plaid_approx_score",
     "Fp8Tokens", "Int8Tokens", "quantize_fp8", "quantize_int8", "maxsim_fp8", "maxsim_int8",
-    "MaxSimScorer",
+    "MaxSimScorer", "hierarchical_pool",
     "served_by",  # which path serves a call (the chooser's answer), for adapters that record routing
 ]
