@@ -25,8 +25,13 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
+from .._config import disabled
 from .._patching import PatchLedger, lookalike
 from ..fast_plaid import _patch as fast_plaid
+from .._routing import record
+from ..ops.pooling import hierarchical_pool
 from . import _layout as layout_mod
 from . import _plaid_search, _rerank, _scores
 
@@ -47,7 +52,11 @@ def _apply(layout: layout_mod.PyLateLayout) -> None:
     if layout.colbert_scores_class is not None:
         _serve_method(layout.colbert_scores_class, "__call__", lambda _: _scores.colbert_scores_call)
 
-    # 5. PLAID search: fast-plaid's FastPlaid.search, which PyLate's indexes.PLAID calls --
+    # 5. token pooling: encode(..., pool_factor=k) calls self.pool_embeddings_hierarchical (1.6.0)
+    colbert = getattr(sys.modules.get("pylate.models.colbert"), "ColBERT", None)
+    _serve_method(colbert, "pool_embeddings_hierarchical", _pool_embeddings_hierarchical_for)
+
+    # 6. PLAID search: fast-plaid's FastPlaid.search, which PyLate's indexes.PLAID calls --
     # fast-plaid's own patch (lik_plugins.fast_plaid), held for PyLate; and PyLate's id mappings
     fast_plaid.hold("pylate")
     module_name, class_name, call, loaders = layout_mod.PLAID_MAPPINGS
@@ -66,6 +75,29 @@ def _serve_method(cls: type | None, method: str, make) -> bool:
         original = vars(cls)[method]
         _ledger.set_attr(cls, method, lookalike(make(original), original))
     return True
+
+
+POOLED_DTYPES = (torch.float16, torch.float32, torch.float64)   # PyLate's .numpy() refuses bfloat16
+
+
+def _pool_embeddings_hierarchical_for(original):
+    """PyLate's per-document Ward pooling as one batched :func:`~lik_plugins.ops.hierarchical_pool`
+    call (same partitions, CPU results, protected tokens first, clusters in scipy's label order,
+    no re-normalisation); inputs it does not serve run PyLate's own loop."""
+
+    def pool_embeddings_hierarchical(self, documents_embeddings, pool_factor=1, protected_tokens=1):
+        served = (not disabled() and isinstance(documents_embeddings, (list, tuple))
+                  and all(isinstance(d, torch.Tensor) and d.dim() == 2 and d.dtype in POOLED_DTYPES
+                          for d in documents_embeddings)
+                  and type(pool_factor) is int and pool_factor >= 1
+                  and type(protected_tokens) is int and protected_tokens >= 0)
+        if not served:
+            record("pylate.pool_embeddings_hierarchical", "original")
+            return original(self, documents_embeddings, pool_factor, protected_tokens)
+        record("pylate.pool_embeddings_hierarchical", "torch-chunked")
+        return hierarchical_pool(list(documents_embeddings), pool_factor, protected_tokens)
+
+    return pool_embeddings_hierarchical
 
 
 def patch_pylate() -> layout_mod.PyLateLayout:
@@ -87,6 +119,8 @@ def patch_pylate() -> layout_mod.PyLateLayout:
     :func:`lik_plugins.routing_counts` shows which path served each call, under the
     entries ``pylate.colbert_scores``, ``pylate.colbert_kd_scores``,
     ``pylate.colbert_scores_pairwise``, ``pylate.ColBERTScores`` and ``pylate.rerank``;
+    ``ColBERT.pool_embeddings_hierarchical`` (``encode(..., pool_factor=k)``, 1.6.0) under
+    ``pylate.pool_embeddings_hierarchical`` (:func:`lik_plugins.ops.hierarchical_pool`);
     ``indexes.PLAID`` searches (fast-plaid installed) under ``fast_plaid.search``: a batch
     of queries at a time on the GPU (:mod:`lik_plugins.plaid_search`), fast-plaid's own
     search for CPU indexes (:func:`lik_plugins.fast_plaid.patch_fast_plaid`).
