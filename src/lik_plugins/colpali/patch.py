@@ -11,6 +11,7 @@ target                                                 releases   replaced by
 ``ColbertModule._inbatch_scores``                      0.3.17+    :func:`.heads.inbatch_scores`
 ``utils._lik_backend.maxsim_inbatch_lik`` / ``_kd_lik``  0.3.17+    :func:`maxsim_inbatch_lik` / ``_kd_lik``
 fast-plaid's ``FastPlaid.search`` (``get_topk_plaid``)  0.3.18     :mod:`lik_plugins.fast_plaid` (held)
+``HierarchicalTokenPooler._pool_embeddings_impl``      where any  :func:`_pool_embeddings_impl_for`
 =====================================================  =========  =====================================
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .._patching import PatchLedger
 from ..fast_plaid import _patch as fast_plaid
 from .._routing import record
 from .._config import disabled
+from ..ops.pooling import hierarchical_pool
 from . import _scores as sc
 from . import heads
 from .heads import Generation
@@ -34,6 +36,7 @@ from .heads import Generation
 LOSSES = "colpali_engine.loss.late_interaction_losses"
 PROCESSING = "colpali_engine.utils.processing_utils"
 LIK_BACKEND = "colpali_engine.utils._lik_backend"
+TOKEN_POOLING = "colpali_engine.compression.token_pooling.hierarchical_token_pooling"
 
 _ledger = PatchLedger()   # its ``current``: the name of the loss generation patched
 
@@ -170,6 +173,47 @@ def _score_multi_vector_for(processing, original):
 INSTALL_HINT = _install.missing_host("patch_colpali_engine()", "colpali-engine (0.3.10 - 0.3.18)", _install.COLPALI)
 
 
+def _pool_embeddings_impl_for(original):
+    """``HierarchicalTokenPooler``'s per-page Ward pooling as one batched
+    :func:`~lik_plugins.ops.hierarchical_pool` call with colpali's conventions: float32 on the
+    CPU, Ward on the rows of the distance matrix, re-normalised means in label order, back on
+    the page's device and dtype, with the ``{cluster id: (token indices,)}`` maps."""
+
+    def _pool_embeddings_impl(self, embeddings, pool_factor, num_workers=None):
+        served = (not disabled() and type(pool_factor) is int and pool_factor >= 2
+                  and (num_workers is None or (type(num_workers) is int and num_workers >= 1))
+                  and all(isinstance(e, torch.Tensor) and e.dim() == 2 and e.shape[0] > 1
+                          and e.is_floating_point() for e in embeddings))
+        if not served:   # pool factor 1, a single token, bad workers: colpali's own answer or error
+            record("colpali.token_pooling", "original")
+            return original(self, embeddings, pool_factor=pool_factor, num_workers=num_workers)
+        record("colpali.token_pooling", "torch-chunked")
+        pages = [e.to(torch.float32).cpu() for e in embeddings]
+        pooled, labels = hierarchical_pool(pages, pool_factor, cluster_on="distance_rows", normalize=True,
+                                           return_labels=True)
+        maps = []
+        for page_labels in labels:
+            clusters = max(page_labels.shape[0] // pool_factor, 1)
+            order = torch.argsort(page_labels, stable=True)   # token indices ascending within a cluster
+            sizes = torch.bincount(page_labels, minlength=clusters).tolist()
+            maps.append({cluster: (indices,) for cluster, indices in enumerate(order.split(sizes))})
+        return [p.to(e.device).to(e.dtype) for p, e in zip(pooled, embeddings)], maps
+
+    return _pool_embeddings_impl
+
+
+def _serve_token_pooling() -> None:
+    """``HierarchicalTokenPooler._pool_embeddings_impl``, where the release has it and scipy
+    (which its module imports) is installed; quietly nothing otherwise."""
+    try:
+        module = importlib.import_module(TOKEN_POOLING)
+    except ImportError:
+        return
+    cls = getattr(module, "HierarchicalTokenPooler", None)
+    if cls is not None and "_pool_embeddings_impl" in vars(cls):
+        _ledger.set_attr(cls, "_pool_embeddings_impl", _pool_embeddings_impl_for(vars(cls)["_pool_embeddings_impl"]))
+
+
 def _import_colpali():
     """colpali's loss and processing modules, or an ImportError that says what to do.
 
@@ -203,7 +247,8 @@ def patch_colpali_engine() -> str:
     the variable).  :func:`lik_plugins.routing_counts` shows which path served each call
     under the entries ``colpali.score_multi_vector``, ``colpali.<LossClass>``,
     ``colpali.ColbertModule._inbatch_scores``, ``colpali.maxsim_inbatch_lik`` and
-    ``colpali.maxsim_kd_lik``; ``get_topk_plaid``'s searches (fast-plaid installed) under
+    ``colpali.maxsim_kd_lik``; ``HierarchicalTokenPooler.pool_embeddings`` under
+    ``colpali.token_pooling`` (:func:`lik_plugins.ops.hierarchical_pool`); ``get_topk_plaid``'s searches (fast-plaid installed) under
     ``fast_plaid.search`` (:func:`lik_plugins.fast_plaid.patch_fast_plaid`, held while
     colpali-engine is patched).
 
@@ -240,6 +285,7 @@ def _patch(current: str | None) -> str:
         original = vars(base)["score_multi_vector"]
         original_fn = original.__func__ if isinstance(original, staticmethod) else original
         _ledger.set_attr(base, "score_multi_vector", staticmethod(_score_multi_vector_for(processing, original_fn)))
+        _serve_token_pooling()
         fast_plaid.hold("colpali")       # get_topk_plaid searches through fast-plaid (where installed)
     except BaseException:
         _ledger.revert()
