@@ -14,6 +14,7 @@ path in :mod:`lik_plugins.kernels`.  Public surface::
     maxsim_from_hidden                                # the projection head fused into the scoring
     maxsim_residual, maxsim_residual_varlen,          # PLAID / ColBERTv2 compressed indexes
     plaid_approx_score                                #   (lik_plugins.ops: compress, decompress)
+    hierarchical_pool                                 # Ward token pooling, the hosts' poolers' partitions
     routing_counts, reset_routing_counts              # which path served each call
     routing_reasons                                   # why a call went to the host's own code
     patch_pylate, unpatch_pylate                      # PyLate integration
@@ -34,7 +35,7 @@ _OPS = (
     "maxsim", "maxsim_pairs", "retrieve", "smooth_maxsim", "maxsim_from_hidden", "MaxSimScorer",
     "maxsim_varlen", "score_pairs_packed", "maxsim_padded", "pack", "unpack",
     "quantize_fp8", "maxsim_fp8", "Fp8Tokens", "quantize_int8", "maxsim_int8", "Int8Tokens",
-    "maxsim_residual", "maxsim_residual_varlen", "plaid_approx_score",
+    "maxsim_residual", "maxsim_residual_varlen", "plaid_approx_score", "hierarchical_pool",
 )
 _LAZY = {
     **{name: ("lik_plugins.ops", name) for name in _OPS},
