@@ -2,8 +2,8 @@
 
 PyLate never looks its scorers up in one place: modules re-export them, loss classes
 bind them as default arguments at import time, models and evaluators store them on
-instances.  This module describes those capture points per release (see the table in
-``notes/pylate.md``); :mod:`lik_plugins.pylate._patch` applies them.
+instances.  This module describes those capture points per release (the table below);
+:mod:`lik_plugins.pylate._patch` applies them.
 
 =============  =========================================  ============================
 releases       scoring functions defined in               extras

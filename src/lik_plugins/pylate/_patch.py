@@ -1,6 +1,6 @@
 """``patch_pylate()`` / ``unpatch_pylate()``: every PyLate capture point, applied and reverted.
 
-Three kinds of capture points (``notes/pylate.md`` section 4):
+Three kinds of capture points (the release table in :mod:`._layout`):
 
 * **module globals** -- every ``pylate.*`` module attribute that *is* one of the three
   original scorers (defining module, ``pylate.scores``, similarity functions,
