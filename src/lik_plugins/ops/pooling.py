@@ -9,10 +9,9 @@ once, with the same partitions:
 
 * the Ward linkage and the ``maxclust`` cut stay scipy's (``linkage`` / ``fcluster``, compiled
   code), so partitions and cluster labels are scipy's own -- including its tie-breaking;
-* everything around them is batched: the similarity matrices of a chunk of documents in one
-  ``bmm`` (each entry is the same 128-term dot product a per-document ``mm`` computes), every
-  condensed distance vector of the chunk in one gather, and every cluster mean of the chunk
-  in one ``index_add_`` -- no Python loop over tokens or clusters.
+* around them, no Python loop over tokens or clusters: each document's similarities are the
+  one ``mm`` a host computes, its condensed distances one gather at offsets cached per length,
+  and every cluster mean of a chunk of documents one ``index_add_``.
 
 Two distance inputs, one per host convention (``cluster_on``):
 
@@ -36,7 +35,7 @@ from typing import Literal, Sequence
 import torch
 
 CLUSTER_ON = ("distances", "distance_rows")
-#: documents whose similarity matrices are built in one ``bmm`` (bounds the padded scratch)
+#: documents whose cluster means are computed in one ``index_add_``
 CHUNK_DOCUMENTS = 64
 
 
@@ -57,18 +56,13 @@ def _upper_triangle_offsets(n: int, width: int) -> torch.Tensor:
     return i * width + j
 
 
-def _condensed_distances(tokens: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``1 - x @ x.T`` of each document, condensed, in the documents' dtype (as a per-document
-    ``mm`` followed by ``1 - s`` rounds it), for a chunk of documents."""
-    width = max(t.shape[0] for t in tokens)
-    padded = tokens[0].new_zeros(len(tokens), width, tokens[0].shape[1])
-    for b, t in enumerate(tokens):
-        padded[b, : t.shape[0]] = t
-    distances = 1 - torch.bmm(padded, padded.transpose(1, 2))          # [B, W, W]
-    offsets = torch.cat([_upper_triangle_offsets(t.shape[0], width) + b * width * width
-                         for b, t in enumerate(tokens)])
-    flat = distances.reshape(-1).take(offsets)
-    return list(flat.split([t.shape[0] * (t.shape[0] - 1) // 2 for t in tokens]))
+def _condensed_distances(tokens: torch.Tensor) -> torch.Tensor:
+    """``1 - x @ x.T`` of one document, condensed, in its dtype: the very ``mm`` a per-document
+    pooler calls (so every similarity is the same number), then ``1 - s`` on the upper triangle
+    alone, read with offsets cached per length (a host rebuilding ``triu_indices`` for every
+    document spends as long on that as on the product)."""
+    n = tokens.shape[0]
+    return 1 - torch.mm(tokens, tokens.t()).reshape(-1).take(_upper_triangle_offsets(n, n))
 
 
 def _row_distances(tokens: torch.Tensor) -> torch.Tensor:
@@ -161,10 +155,8 @@ def hierarchical_pool(
 
 def _pool_chunk(chunk, cluster_on, normalize, hierarchy, pooled, labels) -> None:
     tokens = [item[2] for item in chunk]
-    if cluster_on == "distances":
-        condensed = _condensed_distances(tokens)
-    else:
-        condensed = [_row_distances(t) for t in tokens]
+    distances = _condensed_distances if cluster_on == "distances" else _row_distances
+    condensed = [distances(t) for t in tokens]
     chunk_labels = [_labels(c, item[3], hierarchy) for c, item in zip(condensed, chunk)]
 
     # every cluster of the chunk gets a row: document b's labels shifted by the clusters before it
