@@ -123,7 +123,7 @@ def _read_index(path: str, device: torch.device) -> FastPlaidIndex:
     nbits = int(files.meta["nbits"])
     codes, residuals = [], []
     # chunk by chunk to the device: one host copy of a chunk at a time, never the index
-    for chunk_codes, chunk_residuals in chunks(files, centroids.shape[1] * nbits // 8):
+    for chunk_codes, chunk_residuals in chunks(files):
         codes.append(torch.from_numpy(chunk_codes.astype(np.int32)).to(device))
         residuals.append(torch.from_numpy(np.array(chunk_residuals)).to(device))     # a writable copy
     offsets = np.concatenate(([0], np.cumsum(files.lengths, dtype=np.int64)))

@@ -132,6 +132,11 @@ class IndexFiles(NamedTuple):
     residuals: list[ChunkSource]
     layout: str              # "shards", "merged" or "mixed" (module docstring)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's residual (``d * nbits / 8``)."""
+        return self.dim * int(self.meta["nbits"]) // 8
+
 
 def index_files(path: str) -> IndexFiles:
     """The layout of the index in folder ``path``, or :class:`UnknownIndexLayout`.  Reads the
@@ -146,12 +151,12 @@ def index_files(path: str) -> IndexFiles:
     rows = [sum(lengths) for lengths in per_chunk]
     frozen = bool(meta.get("frozen", False))
     codes, residuals = (sources(path, kind, rows, frozen) for kind in KINDS)
-    row_bytes = dim * int(meta["nbits"]) // 8
+    files = IndexFiles(meta, dim, [n for lengths in per_chunk for n in lengths], codes, residuals,
+                       layout_name([codes, residuals], path))
     for kind, per_kind in zip(KINDS, (codes, residuals)):
         for source in per_kind:
-            read_rows(source, kind, row_bytes)      # the headers checked now, before anything is loaded
-    return IndexFiles(meta, dim, [n for lengths in per_chunk for n in lengths], codes, residuals,
-                      layout_name([codes, residuals], path))
+            read_rows(source, kind, files.row_bytes)    # the headers checked now, before anything is loaded
+    return files
 
 
 def read_rows(source: ChunkSource, kind: str, row_bytes: int) -> np.ndarray:
@@ -173,7 +178,8 @@ def read_rows(source: ChunkSource, kind: str, row_bytes: int) -> np.ndarray:
     return array[source.start:end]
 
 
-def chunks(files: IndexFiles, row_bytes: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def chunks(files: IndexFiles) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Each chunk's ``(codes, residuals)``, one chunk at a time (one host copy of a chunk)."""
     for code_source, residual_source in zip(files.codes, files.residuals):
-        yield read_rows(code_source, "codes", row_bytes), read_rows(residual_source, "residuals", row_bytes)
+        yield (read_rows(code_source, "codes", files.row_bytes),
+               read_rows(residual_source, "residuals", files.row_bytes))

@@ -90,8 +90,8 @@ def patch_fast_plaid() -> FastPlaidPatch:
     for fast-plaid 1.4.6 - 1.7.x and an index in any of their layouts.  Where ours does not
     serve (a CPU index, ``low_memory=True`` / ``index_gpu_memory="low"``, an unknown layout or
     parameter, ``LIK_DISABLE=1``), fast-plaid's own search runs:
-    :func:`lik_plugins.routing_counts` counts calls under ``fast_plaid.search`` and each
-    declined call's reason under ``fast_plaid.search: <reason>``.
+    :func:`lik_plugins.routing_counts` counts calls under ``fast_plaid.search`` and
+    :func:`lik_plugins.routing_reasons` each declined call's reason.
 
     Returns:
         The :class:`FastPlaidPatch` (the release's ``version``, who holds the patch).

@@ -17,8 +17,8 @@ Ours serves when the index is searched on one CUDA device (or on the CPU under
 tensor or a list of 2-D / 3-D tensors, the files are in a known layout, and neither
 ``LIK_DISABLE=1`` nor a host's ``*_SCORES_BACKEND=torch`` / ``flash`` asks for the host's code.
 Everything else runs fast-plaid's own search.  :func:`lik_plugins.routing_counts` counts every
-call under ``fast_plaid.search`` and, for each call fast-plaid served, its reason under
-``fast_plaid.search: <reason>`` (an unknown layout or parameter among them).
+call under ``fast_plaid.search`` and :func:`lik_plugins.routing_reasons` the reason of each call
+fast-plaid served (an unknown layout or parameter among them).
 
 Once ours has served an index, fast-plaid's copy of it on the device is released
 (``FastPlaid.indices``); fast-plaid reloads it from disk by itself if it is asked to search
@@ -63,8 +63,9 @@ def _switched_off() -> str | None:
     if disabled():
         return "LIK_DISABLE=1"
     for variable in HOST_BACKENDS:
-        if scores_backend(variable) in ("torch", "flash"):
-            return f"{variable}={scores_backend(variable)}"
+        value = scores_backend(variable)
+        if value in ("torch", "flash"):
+            return f"{variable}={value}"
     return None
 
 
@@ -101,7 +102,7 @@ def _fits(fast_plaid, device: torch.device, files) -> bool:
     if getattr(fast_plaid, "index_gpu_memory", None) != "auto" or device.type != "cuda":
         return True
     tokens = sum(files.lengths)
-    row_bytes = 4 + files.dim * int(files.meta["nbits"]) // 8
+    row_bytes = 4 + files.row_bytes                  # an int32 code and the residual's bytes
     free, total = torch.cuda.mem_get_info(device)
     fraction = float(getattr(fast_plaid, "index_memory_fraction", 0.7))
     return free - tokens * row_bytes >= (1.0 - fraction) * total
